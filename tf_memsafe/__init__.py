@@ -1,0 +1,107 @@
+"""tf_memsafe: memory-safe computations for TensorFlow.
+
+    import tf_memsafe
+    tf_memsafe.enable(memory_limit="4GB")   # once, before the functions are traced
+
+Every ``tf.function(jit_compile=True)`` traced afterwards is rewritten, before XLA compiles it, so
+that its compiled program fits the limit, computing the same values.
+
+Public API:
+
+* :func:`enable`, :func:`disable`, :func:`is_enabled` -- switch the hook on and off;
+* :func:`options` -- a thread-local, nestable ``with`` scope overriding options;
+* :func:`get_options` and :class:`Options` -- the frozen options in force;
+* :func:`parse_memory_limit` -- the limit parser ("4GB", "1.5GiB", "80%", ...);
+* :func:`reports` -- what the hook did with each function traced while enabled;
+* errors: :class:`TfMemsafeError`, :class:`RewriteError`, :class:`UnsupportedTensorFlowError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+from tf_memsafe import config as _config
+from tf_memsafe import hook as _hook
+from tf_memsafe.config import Options
+from tf_memsafe.errors import RewriteError, TfMemsafeError, UnsupportedTensorFlowError
+from tf_memsafe.hook import TraceReport
+from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "enable", "disable", "is_enabled", "options", "get_options", "Options", "parse_memory_limit",
+    "MemoryLimit", "format_bytes", "reports", "TraceReport", "TfMemsafeError", "RewriteError",
+    "UnsupportedTensorFlowError",
+]
+
+_enable_lock = threading.Lock()
+
+
+def enable(memory_limit: int | float | str = _config.DEFAULT_MEMORY_LIMIT, **options) -> Options:
+    """Rewrite every ``tf.function(jit_compile=True)`` traced from now on to fit ``memory_limit``.
+
+    Args:
+      memory_limit: bytes (``4_000_000_000``), a string with a unit (``"4GB"``, ``"512MiB"``,
+        ``"1.5GiB"``), or a percentage of the device's memory (``"80%"``, the default: of the GPU's
+        memory when the function runs on a GPU, else of physical RAM).
+      **options: any field of :class:`Options` (``disabled_passes``, ``rewrite_non_jit``,
+        ``strict``, ``verify``, ``max_fixed_point_iterations``, ``dump_dir``).
+
+    Returns:
+      The process-wide :class:`Options` now in force (``options()`` scopes still apply on top).
+
+    Raises:
+      ValueError: the limit is malformed (the message lists the accepted forms).
+      TypeError: an unknown option.
+      UnsupportedTensorFlowError: this TensorFlow's internals are not the tested ones.
+
+    Functions already traced keep their graphs: enable before the first call.  Calling
+    ``enable`` again replaces the options.
+    """
+    opts = _config.make_options(memory_limit=memory_limit, **options)
+    with _enable_lock:
+        _hook.install()
+        _config.set_global(opts)
+    return opts
+
+
+def disable() -> None:
+    """Stop rewriting newly traced functions and restore the default options.
+
+    Functions traced while enabled keep their rewritten graphs (TensorFlow caches traces).
+    """
+    with _enable_lock:
+        _hook.uninstall()
+        _config.set_global(Options())
+
+
+def is_enabled() -> bool:
+    """Whether newly traced functions are rewritten."""
+    return _hook.is_installed()
+
+
+@contextlib.contextmanager
+def options(**overrides) -> Iterator[Options]:
+    """Override options for traces in this thread inside the ``with`` block.
+
+    Nestable; the previous options come back on exit, also when the block raises.  Accepts the
+    same keywords as :func:`enable`, including ``memory_limit``::
+
+        with tf_memsafe.options(memory_limit="256MiB", strict=True):
+            f(x)          # traced (and so rewritten) under these options
+    """
+    with _config.scoped(**overrides) as opts:
+        yield opts
+
+
+def get_options() -> Options:
+    """The options in force in this thread."""
+    return _config.current()
+
+
+def reports() -> list[TraceReport]:
+    """What the hook did with each function traced while enabled, oldest first."""
+    return _hook.reports()

@@ -1,0 +1,180 @@
+"""Editing a traced graph in place, with every change journaled so it can be undone.
+
+A TensorFlow graph cannot drop ops, but it can rewire an op's input (``Operation._update_input``)
+and a ``FuncGraph`` can change its outputs.  A pass therefore
+
+1. analyses and plans without touching anything,
+2. builds its new ops inside :func:`building` (they are unreachable, so inert, until wired in),
+3. wires them in with :func:`replace_uses`, which checks dtype, shape and acyclicity of every
+   change *before* the first mutation.
+
+Every mutation goes to the thread's active :class:`Journal` (the pipeline opens one per run), so a
+failure anywhere later undoes the run exactly.  Ops built and then abandoned stay in the graph but
+are unreachable from its outputs; TensorFlow's function runtime and XLA prune them (measured:
+a dead [4000, 4000] matmul adds nothing to XLA's "Total bytes used"), and
+:func:`grappler_ext.printer.format_graph` hides them by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterable, Iterator
+
+import tensorflow as tf
+
+__all__ = [
+    "GENERATED_SCOPE", "Journal", "journaled", "building", "replace_uses", "rewire_input",
+    "set_output", "ancestors", "consumers", "EditError",
+]
+
+GENERATED_SCOPE = "tf_memsafe"  # Name scope of every op tf_memsafe builds: marks what we generated.
+
+
+class EditError(ValueError):
+    """A requested edit is invalid (dtype or shape mismatch, or it would create a cycle)."""
+
+
+@dataclasses.dataclass
+class _InputEdit:
+    op: tf.Operation
+    index: int
+    old: tf.Tensor
+
+
+@dataclasses.dataclass
+class _OutputEdit:
+    graph: object
+    index: int
+    old: tf.Tensor
+    old_structured: object
+
+
+class Journal:
+    """The mutations made to graphs in one pipeline run, in order; :meth:`undo` reverts them."""
+
+    def __init__(self):
+        self._edits: list = []
+
+    def __len__(self) -> int:
+        return len(self._edits)
+
+    def record(self, edit) -> None:
+        self._edits.append(edit)
+
+    def undo(self) -> None:
+        """Revert every recorded edit, newest first."""
+        while self._edits:
+            edit = self._edits.pop()
+            if isinstance(edit, _InputEdit):
+                edit.op._update_input(edit.index, edit.old)  # noqa: SLF001 - the one rewiring API
+            else:
+                edit.graph.outputs[edit.index] = edit.old
+                edit.graph.structured_outputs = edit.old_structured
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def journaled(journal: Journal) -> Iterator[Journal]:
+    """Send this thread's edits to ``journal`` for the duration of the block."""
+    previous = getattr(_local, "journal", None)
+    _local.journal = journal
+    try:
+        yield journal
+    finally:
+        _local.journal = previous
+
+
+def _record(edit) -> None:
+    journal = getattr(_local, "journal", None)
+    if journal is not None:
+        journal.record(edit)
+
+
+@contextlib.contextmanager
+def building(graph, scope: str) -> Iterator[None]:
+    """Build new ops in ``graph`` under the name scope ``tf_memsafe/<scope>``."""
+    with graph.as_default(), tf.name_scope(f"{GENERATED_SCOPE}/{scope}/"):
+        yield
+
+
+def consumers(tensor: tf.Tensor) -> list[tuple[tf.Operation, int]]:
+    """Every ``(op, input_index)`` that reads ``tensor``."""
+    out = []
+    for op in tensor.consumers():
+        out.extend((op, i) for i, t in enumerate(op.inputs) if t is tensor)
+    return out
+
+
+def ancestors(tensors: Iterable[tf.Tensor], stop: set | None = None) -> set[tf.Operation]:
+    """The ops that ``tensors`` depend on (data and control edges), themselves included."""
+    seen: set[tf.Operation] = set()
+    stack = [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen or (stop and op in stop):
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _check_compatible(old: tf.Tensor, new: tf.Tensor) -> None:
+    if old.dtype != new.dtype:
+        raise EditError(f"cannot replace `{old.name}` ({old.dtype.name}) by `{new.name}` ({new.dtype.name})")
+    # Every static dimension known for ``old`` must be known, and equal, for ``new``: readers were
+    # traced against those shapes.
+    old_dims = None if old.shape.rank is None else old.shape.as_list()
+    new_dims = None if new.shape.rank is None else new.shape.as_list()
+    if old_dims is not None and (
+        new_dims is None or len(new_dims) != len(old_dims)
+        or any(a is not None and a != b for a, b in zip(old_dims, new_dims))
+    ):
+        raise EditError(f"cannot replace `{old.name}` {old.shape} by `{new.name}` {new.shape}: "
+                        "the replacement must have the same static shape")
+
+
+def rewire_input(op: tf.Operation, index: int, new: tf.Tensor) -> None:
+    """Make input ``index`` of ``op`` read ``new`` (journaled)."""
+    old = op.inputs[index]
+    _check_compatible(old, new)
+    _record(_InputEdit(op, index, old))
+    op._update_input(index, new)  # noqa: SLF001
+
+
+def set_output(graph, index: int, new: tf.Tensor) -> None:
+    """Make output ``index`` of a FuncGraph ``new`` (journaled), in ``outputs`` and ``structured_outputs``."""
+    old = graph.outputs[index]
+    _check_compatible(old, new)
+    old_structured = graph.structured_outputs
+    graph.structured_outputs = tf.nest.map_structure(
+        lambda t: new if t is old else t, old_structured)
+    graph.outputs[index] = new
+    _record(_OutputEdit(graph, index, old, old_structured))
+
+
+def replace_uses(old: tf.Tensor, new: tf.Tensor, *, graph=None, include_outputs: bool = True) -> int:
+    """Make every reader of ``old`` read ``new`` instead; return how many edges moved.
+
+    Readers that ``new`` itself depends on (typically the ops that compute ``new`` from ``old``)
+    keep reading ``old``: rewiring them would make a cycle.  All checks run before any change.
+    """
+    if new is old:
+        return 0
+    _check_compatible(old, new)
+    upstream = ancestors([new])
+    edges = [(op, i) for op, i in consumers(old) if op not in upstream]
+    graph = graph if graph is not None else old.graph
+    output_slots = []
+    if include_outputs and hasattr(graph, "outputs"):
+        output_slots = [i for i, t in enumerate(graph.outputs) if t is old]
+    for op, i in edges:
+        _record(_InputEdit(op, i, old))
+        op._update_input(i, new)  # noqa: SLF001
+    for i in output_slots:
+        set_output(graph, i, new)
+    return len(edges) + len(output_slots)

@@ -1,0 +1,101 @@
+"""What a pass is: a name and ``run(graph, options) -> PassResult``.
+
+XLA's ``HloPassInterface::Run`` returns whether the module changed; torch.fx returns
+``PassResult(graph, modified)``.  Ours also lists every place a pass rewrote and every place it
+looked at and left alone, each a :class:`Record` with the ops involved, bytes before and after and
+a one-line reason.  ``tf_memsafe.explain()`` is built from these records; nobody writes a report
+by hand.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar, Literal
+
+__all__ = ["Record", "PassResult", "GraphPass", "REWRITTEN", "SKIPPED"]
+
+REWRITTEN: Literal["rewritten"] = "rewritten"
+SKIPPED: Literal["skipped"] = "skipped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One place a pass rewrote (``action == "rewritten"``) or left alone (``"skipped"``).
+
+    Attributes:
+      pass_name: the pass that wrote the record.
+      action: ``"rewritten"`` or ``"skipped"``.
+      ops: names of the ops involved (the matched region, or the op to blame).
+      reason: one line a person reads ("cannot split through `Cholesky`: no rule").
+      bytes_before: bytes of the region before the rewrite, if known.
+      bytes_after: bytes after the rewrite, if known.
+    """
+
+    pass_name: str
+    action: Literal["rewritten", "skipped"]
+    ops: tuple[str, ...]
+    reason: str
+    bytes_before: int | None = None
+    bytes_after: int | None = None
+
+    def __post_init__(self):
+        if self.action not in (REWRITTEN, SKIPPED):
+            raise ValueError(f"Record.action must be 'rewritten' or 'skipped', got {self.action!r}")
+        if "\n" in self.reason:
+            raise ValueError("Record.reason must be one line")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class PassResult:
+    """The outcome of one run of one pass."""
+
+    pass_name: str
+    records: list[Record] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any(r.action == REWRITTEN for r in self.records)
+
+    @property
+    def rewritten(self) -> list[Record]:
+        return [r for r in self.records if r.action == REWRITTEN]
+
+    @property
+    def skipped(self) -> list[Record]:
+        return [r for r in self.records if r.action == SKIPPED]
+
+    def rewrote(self, ops, reason: str, bytes_before: int | None = None,
+                bytes_after: int | None = None) -> Record:
+        return self._add(REWRITTEN, ops, reason, bytes_before, bytes_after)
+
+    def skip(self, ops, reason: str, bytes_before: int | None = None) -> Record:
+        return self._add(SKIPPED, ops, reason, bytes_before, None)
+
+    def _add(self, action, ops, reason, bytes_before, bytes_after) -> Record:
+        names = tuple(o if isinstance(o, str) else o.name for o in ops)
+        record = Record(self.pass_name, action, names, reason, bytes_before, bytes_after)
+        self.records.append(record)
+        return record
+
+
+class GraphPass(abc.ABC):
+    """A named graph transformation.
+
+    Subclasses set ``name`` (the same short name as their module, their option and their label in
+    ``explain()``) and implement :meth:`run`.  A pass analyses, plans and builds its new ops first
+    and rewires consumers last, only through :mod:`grappler_ext.graph_edit`, whose journal lets the
+    pipeline undo the whole run if this or a later pass fails.
+    """
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def run(self, graph, options) -> PassResult:
+        """Rewrite ``graph`` in place; say what was done and what was not."""
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"

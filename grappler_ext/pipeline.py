@@ -1,0 +1,168 @@
+"""The pass pipeline: an ordered, named list of passes, a verifier and an undo journal.
+
+Modelled on XLA's ``HloPassPipeline`` and ``HloPassFix``:
+
+* passes run in order; any of them can be disabled by name (``Options.disabled_passes``);
+* the whole list repeats while some pass still changes the graph, up to
+  ``Options.max_fixed_point_iterations`` times (1 = run once);
+* with ``Options.verify`` the verifier runs after every pass, and a pass that reports "unchanged"
+  must not have edited the graph;
+* every edit goes to one journal; if a pass raises or the verifier fails, the journal is undone,
+  so the graph computes exactly what it computed when traced, and a :class:`RewriteError` names
+  the failing pass and the passes before it;
+* ``Options.dump_dir`` receives the printed graph before and after each pass.
+
+Passes register themselves with :func:`register_pass`; :data:`DEFAULT_ORDER` fixes where each
+one sits.  A pass module states its place and why in its docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import warnings
+from collections.abc import Sequence
+
+from grappler_ext.graph_edit import Journal, journaled
+from grappler_ext.pass_base import GraphPass, PassResult, Record
+from grappler_ext.verifier import OutputSignature, VerificationError, verify
+
+__all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "registered_passes",
+           "default_pipeline", "DEFAULT_ORDER"]
+
+# The product's pass order.  Rewrites that make patterns cheaper run before the splitter, which
+# must see the cheapest form of each region.
+DEFAULT_ORDER: tuple[str, ...] = ()
+
+_REGISTRY: dict[str, type[GraphPass]] = {}
+
+
+def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
+    """Class decorator: make a pass known by its ``name`` (one name per pass)."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"pass {cls.__qualname__} needs a snake_case `name`, got {name!r}")
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(f"two passes are named {name!r}: {_REGISTRY[name].__qualname__} and {cls.__qualname__}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def registered_passes() -> dict[str, type[GraphPass]]:
+    return dict(_REGISTRY)
+
+
+class PipelineError(Exception):
+    """A pass raised or broke the verifier; the graph has been restored.
+
+    Attributes: ``pass_name``, ``previous_passes`` (those that ran before it in this run), ``cause``.
+    """
+
+    def __init__(self, pass_name: str, previous_passes: Sequence[str], cause: BaseException):
+        before = ", ".join(previous_passes) if previous_passes else "none"
+        kind = "broke the verifier" if isinstance(cause, VerificationError) else "failed"
+        super().__init__(f"pass '{pass_name}' {kind} (passes before it: {before}): "
+                         f"{type(cause).__name__}: {cause}")
+        self.pass_name = pass_name
+        self.previous_passes = tuple(previous_passes)
+        self.cause = cause
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    """What one pipeline run did to one graph."""
+
+    results: list[PassResult] = dataclasses.field(default_factory=list)
+    iterations: int = 0
+    reached_fixed_point: bool = True
+
+    @property
+    def changed(self) -> bool:
+        return any(r.changed for r in self.results)
+
+    @property
+    def records(self) -> list[Record]:
+        return [rec for r in self.results for rec in r.records]
+
+
+class Pipeline:
+    """An ordered list of passes run over a graph (see the module docstring)."""
+
+    def __init__(self, passes: Sequence[GraphPass]):
+        names = [p.name for p in passes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pass(es) {dupes} appear twice in the pipeline")
+        self.passes = tuple(passes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
+    def run(self, graph, options) -> PipelineResult:
+        """Run the passes on ``graph`` in place; on failure restore it and raise PipelineError."""
+        unknown = sorted(set(options.disabled_passes) - set(self.names) - set(_REGISTRY))
+        if unknown:
+            warnings.warn(f"tf_memsafe: disabled_passes names unknown pass(es) {unknown}; known passes: "
+                          f"{sorted(set(self.names) | set(_REGISTRY))}", stacklevel=2)
+        active = [p for p in self.passes if p.name not in options.disabled_passes]
+        result = PipelineResult()
+        signature = OutputSignature.of(graph)
+        journal = Journal()
+        ran: list[str] = []
+        step = 0
+        with journaled(journal):
+            for _ in range(options.max_fixed_point_iterations):
+                result.iterations += 1
+                changed = False
+                for p in active:
+                    step += 1
+                    self._dump(graph, options, step, p.name, "before")
+                    edits_before = len(journal)
+                    try:
+                        pass_result = p.run(graph, options)
+                        if not isinstance(pass_result, PassResult):
+                            raise TypeError(f"run() returned {type(pass_result).__name__}, not PassResult")
+                        if options.verify:
+                            if not pass_result.changed and len(journal) != edits_before:
+                                raise VerificationError("pass reported no rewrite but edited the graph")
+                            verify(graph, signature)
+                    except Exception as e:  # noqa: BLE001 - fail open: any pass error is reported
+                        journal.undo()
+                        raise PipelineError(p.name, ran, e) from e
+                    self._dump(graph, options, step, p.name, "after")
+                    ran.append(p.name)
+                    result.results.append(pass_result)
+                    changed |= pass_result.changed
+                if not changed:
+                    break
+            else:
+                result.reached_fixed_point = not active or options.max_fixed_point_iterations == 1
+        return result
+
+    @staticmethod
+    def _dump(graph, options, step: int, pass_name: str, when: str) -> None:
+        if not options.dump_dir:
+            return
+        from grappler_ext.printer import format_graph
+
+        folder = os.path.join(options.dump_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", graph.name))
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{step:03d}_{pass_name}_{when}.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(format_graph(graph) + "\n")
+
+
+def default_pipeline() -> Pipeline:
+    """The product's pipeline: every pass of :data:`DEFAULT_ORDER`, in that order.
+
+    A pass named ``x`` lives in the module ``grappler_ext.x``; importing it registers it.
+    """
+    for name in DEFAULT_ORDER:
+        importlib.import_module(f"grappler_ext.{name}")
+    missing = [n for n in DEFAULT_ORDER if n not in _REGISTRY]
+    if missing:
+        raise RuntimeError(f"DEFAULT_ORDER names unregistered pass(es) {missing}")
+    return Pipeline([_REGISTRY[n]() for n in DEFAULT_ORDER])

@@ -1,0 +1,102 @@
+"""Test-only passes: they exercise the pipeline and the hook, and never ship in the package."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from grappler_ext import graph_edit
+from grappler_ext.pass_base import GraphPass, PassResult
+
+
+def _output_sources(graph):
+    """The tensors the graph's output Identity ops read (TF wraps every output in an Identity)."""
+    return [out.op.inputs[0] if out.op.type == "Identity" else out for out in graph.outputs]
+
+
+class CountingPass(GraphPass):
+    """Changes nothing; records each graph it sees."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.seen: list[str] = []
+
+    def run(self, graph, options):
+        self.seen.append(graph.name)
+        result = PassResult(self.name)
+        result.skip([], "counting pass never rewrites")
+        return result
+
+
+class ScaleOutputsPass(GraphPass):
+    """Multiplies every floating output by ``factor``: a visible, checkable rewrite."""
+
+    name = "scale_outputs"
+
+    def __init__(self, factor: float = 2.0, once: bool = True):
+        self.factor = factor
+        self.once = once
+        self.calls = 0
+
+    def run(self, graph, options):
+        self.calls += 1
+        result = PassResult(self.name)
+        if self.once and self.calls > 1:
+            return result
+        for src in _output_sources(graph):
+            if not src.dtype.is_floating:
+                result.skip([src.op], f"output dtype {src.dtype.name} is not floating")
+                continue
+            with graph_edit.building(graph, self.name):
+                scaled = src * tf.constant(self.factor, src.dtype)
+            graph_edit.replace_uses(src, scaled)
+            result.rewrote([src.op], f"scaled by {self.factor}")
+        return result
+
+
+class FailingPass(GraphPass):
+    """Rewrites like ScaleOutputsPass, then raises: the pipeline must undo the rewrite."""
+
+    name = "failing"
+
+    def run(self, graph, options):
+        ScaleOutputsPass(3.0).run(graph, options)
+        raise RuntimeError("deliberate failure")
+
+
+class LoopBuildingPass(GraphPass):
+    """Replaces each floating output ``y`` by ``y + 0`` computed in a tf.while_loop of 2 steps.
+
+    Its loop bodies re-enter the hook while it runs: the hook must not rewrite them.
+    """
+
+    name = "loop_building"
+
+    def run(self, graph, options):
+        result = PassResult(self.name)
+        if any(op.name.startswith(f"{graph_edit.GENERATED_SCOPE}/{self.name}/") for op in graph.get_operations()):
+            result.skip([], "already looped")
+            return result
+        for src in _output_sources(graph):
+            if not src.dtype.is_floating:
+                continue
+            with graph_edit.building(graph, self.name):
+                _, looped = tf.while_loop(lambda i, acc: i < 2, lambda i, acc: (i + 1, acc + 0.0),
+                                          (tf.constant(0), src), maximum_iterations=2)
+            graph_edit.replace_uses(src, looped)
+            result.rewrote([src.op], "wrapped in a 2-step loop")
+        return result
+
+
+class SilentEditPass(GraphPass):
+    """Edits the graph but reports no rewrite: the verifier must catch the lie."""
+
+    name = "silent_edit"
+
+    def run(self, graph, options):
+        for src in _output_sources(graph):
+            if src.dtype.is_floating:
+                with graph_edit.building(graph, self.name):
+                    graph_edit.replace_uses(src, src + 1.0)
+                break
+        return PassResult(self.name)

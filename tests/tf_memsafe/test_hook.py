@@ -1,0 +1,211 @@
+"""The tf.function hook: which traces it rewrites, re-entrancy, idempotence, fail-open, strict."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext.pipeline import Pipeline
+from grappler_ext.printer import format_graph
+from tests.fakes import CountingPass, FailingPass, LoopBuildingPass, ScaleOutputsPass
+from tf_memsafe import _tf_internals, hook
+from tf_memsafe.errors import RewriteError, UnsupportedTensorFlowError
+
+
+def statuses():
+    return [(r.function_name, r.status) for r in tf_memsafe.reports()]
+
+
+def loop_and_cond(x):
+    """A user function with its own while loop and cond: their bodies must not be rewritten alone."""
+    _, y = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a * 2.0), (0, x), maximum_iterations=3)
+    return tf.cond(tf.reduce_sum(x) > 0, lambda: y + 1.0, lambda: y - 1.0)
+
+
+X = tf.constant([0.5, 1.0, 2.0])
+
+
+class TestWhichTracesAreRewritten:
+    def test_jit_function_is_rewritten_and_computes_the_rewrite(self):
+        tf_memsafe.enable("1GB")
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(10.0)])):
+            f = tf.function(lambda x: tf.sin(x), jit_compile=True)
+            np.testing.assert_allclose(f(X), 10 * np.sin(X.numpy()), rtol=1e-6)
+        (report,) = tf_memsafe.reports()
+        assert report.status == "rewritten" and report.xla_compiled
+        assert report.memory_limit_bytes == 10**9
+        assert [r.pass_name for r in report.records] == ["scale_outputs"]
+
+    def test_non_jit_function_is_left_alone_by_default(self):
+        tf_memsafe.enable("1GB")
+        counter = CountingPass()
+        with hook.use_pipeline(Pipeline([counter])):
+            f = tf.function(lambda x: tf.sin(x))
+            f(X)
+        assert counter.seen == []
+        (report,) = tf_memsafe.reports()
+        assert report.status == "skipped" and "jit_compile" in report.reason
+
+    def test_non_jit_function_is_rewritten_with_rewrite_non_jit(self):
+        tf_memsafe.enable("1GB", rewrite_non_jit=True)
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(3.0)])):
+            f = tf.function(lambda x: tf.sin(x))
+            np.testing.assert_allclose(f(X), 3 * np.sin(X.numpy()), rtol=1e-6)
+        assert statuses() == [("<lambda>", "rewritten")]
+
+    def test_get_concrete_function_of_a_jit_function_counts_as_xla(self):
+        tf_memsafe.enable("1GB")
+        counter = CountingPass()
+        with hook.use_pipeline(Pipeline([counter])):
+            f = tf.function(lambda x: tf.sin(x), jit_compile=True)
+            f.get_concrete_function(tf.TensorSpec([5]))
+        assert len(counter.seen) == 1
+        assert tf_memsafe.reports()[0].xla_compiled
+
+    def test_plain_function_called_from_a_jit_function_is_in_xla_context(self):
+        tf_memsafe.enable("1GB")
+        counter = CountingPass()
+        inner = tf.function(lambda x: tf.sin(x))
+        outer = tf.function(lambda x: inner(x) * 2.0, jit_compile=True)
+        with hook.use_pipeline(Pipeline([counter])):
+            outer(X)
+        assert sorted(r.xla_compiled for r in tf_memsafe.reports()) == [True, True]
+
+    def test_disabled_hook_sees_nothing(self):
+        counter = CountingPass()
+        with hook.use_pipeline(Pipeline([counter])):
+            tf.function(lambda x: tf.sin(x), jit_compile=True)(X)
+        assert counter.seen == [] and tf_memsafe.reports() == []
+
+    def test_traces_made_while_enabled_keep_their_rewrite_after_disable(self):
+        tf_memsafe.enable("1GB")
+        f = tf.function(lambda x: tf.sin(x), jit_compile=True)
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(2.0)])):
+            f(X)
+        tf_memsafe.disable()
+        np.testing.assert_allclose(f(X), 2 * np.sin(X.numpy()), rtol=1e-6)
+
+
+class TestControlFlowAndReentrancy:
+    def test_user_loops_and_conds_are_not_rewritten_on_their_own(self):
+        tf_memsafe.enable("1GB")
+        counter = CountingPass()
+        f = tf.function(loop_and_cond, jit_compile=True)
+        with hook.use_pipeline(Pipeline([counter])):
+            result = f(X)
+        assert counter.seen == ["loop_and_cond"]
+        np.testing.assert_allclose(result, 8 * X.numpy() + 1, rtol=1e-6)
+
+    def test_loops_built_by_a_pass_do_not_re_enter_the_pipeline(self):
+        tf_memsafe.enable("1GB")
+        looping = LoopBuildingPass()
+        counter = CountingPass()
+        f = tf.function(loop_and_cond, jit_compile=True)
+        with hook.use_pipeline(Pipeline([looping, counter])):
+            result = f(X)
+        # The pipeline ran to a fixed point on the one function graph: iteration 1 rewrote,
+        # iteration 2 found the loop already there.  The loop's own bodies were never rewritten.
+        assert counter.seen == ["loop_and_cond", "loop_and_cond"]
+        np.testing.assert_allclose(result, 8 * X.numpy() + 1, rtol=1e-6)
+        (report,) = tf_memsafe.reports()
+        assert report.status == "rewritten"
+
+    def test_pipeline_is_idempotent_on_a_function_with_control_flow(self):
+        def traced_text(pipeline):
+            f = tf.function(loop_and_cond, jit_compile=True)
+            with hook.use_pipeline(pipeline):
+                return format_graph(f.get_concrete_function(tf.TensorSpec([3])).graph)
+
+        tf_memsafe.enable("1GB")
+        once = traced_text(Pipeline([LoopBuildingPass()]))
+        # Running the pipeline twice over the same graph gives the same graph as running it once.
+        twice_pass = LoopBuildingPass()
+        f = tf.function(loop_and_cond, jit_compile=True)
+        with hook.use_pipeline(Pipeline([twice_pass])):
+            g = f.get_concrete_function(tf.TensorSpec([3])).graph
+        Pipeline([LoopBuildingPass()]).run(g, tf_memsafe.get_options())
+        assert format_graph(g) == once
+        assert "While" in once
+
+    def test_gradient_through_a_rewritten_function_with_tape_outside(self):
+        tf_memsafe.enable("1GB")
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(5.0)])):
+            f = tf.function(lambda x: tf.reduce_sum(tf.sin(x)), jit_compile=True)
+            v = tf.Variable(X)
+            with tf.GradientTape() as tape:
+                loss = f(v)
+            grad = tape.gradient(loss, v)
+        np.testing.assert_allclose(loss, 5 * np.sum(np.sin(X.numpy())), rtol=1e-6)
+        np.testing.assert_allclose(grad, 5 * np.cos(X.numpy()), rtol=1e-6)
+
+
+class TestFailOpen:
+    def test_failing_pass_leaves_the_function_as_traced_and_warns_once(self):
+        tf_memsafe.enable("1GB")
+        f = tf.function(lambda x: tf.sin(x) * 2.0, jit_compile=True)
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(7.0), FailingPass()])):
+            with pytest.warns(RuntimeWarning, match=r"left `<lambda>` exactly as traced.*'failing'") as rec:
+                result = f(X)
+        assert len([w for w in rec if "tf_memsafe" in str(w.message)]) == 1
+        np.testing.assert_allclose(result, 2 * np.sin(X.numpy()), rtol=1e-6)
+        (report,) = tf_memsafe.reports()
+        assert report.status == "failed" and "deliberate failure" in report.reason
+
+    def test_strict_raises_naming_the_pass(self):
+        tf_memsafe.enable("1GB", strict=True)
+        f = tf.function(lambda x: tf.sin(x), jit_compile=True)
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(), FailingPass()])):
+            with pytest.raises(RewriteError) as info:
+                f(X)
+        assert info.value.pass_name == "failing"
+        assert info.value.previous_passes == ("scale_outputs",)
+
+    def test_strict_in_a_scope(self):
+        tf_memsafe.enable("1GB")
+        f = tf.function(lambda x: tf.sin(x), jit_compile=True)
+        with hook.use_pipeline(Pipeline([FailingPass()])), tf_memsafe.options(strict=True):
+            with pytest.raises(RewriteError):
+                f(X)
+
+
+class TestEnableLeavesResultsUnchanged:
+    """``tf_memsafe.enable("1GB")`` with the product's pipeline changes no function's results."""
+
+    @pytest.mark.parametrize("jit", [True, False])
+    def test_functions(self, jit):
+        fns = [
+            lambda x: tf.reduce_sum(tf.square(x[:, None] - x[None, :]), -1),
+            lambda x: tf.math.top_k(-tf.abs(x[:, None] - x[None, :]), k=2).indices,
+            loop_and_cond,
+            lambda x: tf.linalg.matmul(x[:, None], x[None, :]) @ tf.ones([3, 2]),
+        ]
+        expected = [tf.function(fn, jit_compile=jit)(X).numpy() for fn in fns]
+        tf_memsafe.enable("1GB")
+        got = [tf.function(fn, jit_compile=jit)(X).numpy() for fn in fns]
+        for e, g in zip(expected, got):
+            np.testing.assert_array_equal(e, g)
+        assert len(tf_memsafe.reports()) == len(fns)
+
+
+class TestInternals:
+    def test_unsupported_version_is_a_clear_error(self, monkeypatch):
+        monkeypatch.setattr(tf, "__version__", "2.99.0")
+        with pytest.raises(UnsupportedTensorFlowError, match=r"supports TensorFlow 2\.21, found 2\.99\.0"):
+            tf_memsafe.enable("1GB")
+        assert not tf_memsafe.is_enabled()
+
+    def test_registration_is_idempotent_and_removable(self):
+        from tensorflow.python.eager.polymorphic_function import transform
+
+        tf_memsafe.enable("1GB")
+        tf_memsafe.enable("2GB")
+        assert transform.FUNC_GRAPH_TRANSFORMS.count(hook.transform) == 1
+        tf_memsafe.disable()
+        assert hook.transform not in transform.FUNC_GRAPH_TRANSFORMS
+
+    def test_percentage_limit_resolves_against_physical_memory_on_cpu(self):
+        tf_memsafe.enable("50%")
+        with hook.use_pipeline(Pipeline([CountingPass()])):
+            tf.function(lambda x: x + 1.0, jit_compile=True)(X)
+        (report,) = tf_memsafe.reports()
+        assert report.memory_limit_bytes == int(0.5 * _tf_internals.physical_memory_bytes())

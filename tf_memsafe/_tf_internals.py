@@ -1,0 +1,159 @@
+"""Every use of TensorFlow internals, in one place, behind a version check.
+
+tf_memsafe rewrites a ``tf.function``'s graph through TensorFlow's function-graph transform list
+(``tensorflow.python.eager.polymorphic_function.transform.FUNC_GRAPH_TRANSFORMS``): TensorFlow calls
+each registered callable with the freshly traced ``FuncGraph`` before it is turned into a function,
+both for ``tf.function`` traces and for every while/cond body graph it builds
+(``control_flow_util_v2.create_new_tf_function``), including those it builds later for gradients.
+
+What this module relies on, checked by :func:`check_supported` with a clear error otherwise:
+
+* ``transform.FUNC_GRAPH_TRANSFORMS`` is a list of callables taking the FuncGraph;
+* a ``tf.function`` trace reaches the transform from ``tracing_compilation._create_concrete_function``,
+  whose local ``tracing_options.attributes`` holds ``_XlaMustCompile`` for ``jit_compile=True``;
+  control-flow bodies reach it from ``control_flow_util_v2.create_new_tf_function`` instead;
+* ``control_flow_util.GraphOrParentsInXlaContext`` tells whether a graph is traced inside an XLA
+  context (a jit function's ``__call__`` enters one; ``get_concrete_function`` does not, which is
+  why both signals are read).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from tf_memsafe.errors import UnsupportedTensorFlowError
+
+__all__ = [
+    "SUPPORTED_TF", "check_supported", "register_transform", "unregister_transform",
+    "TraceInfo", "trace_info", "is_control_flow_body", "device_memory_bytes",
+]
+
+SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
+XLA_MUST_COMPILE = "_XlaMustCompile"
+
+_TRACE_FRAME = "_create_concrete_function"  # tracing_compilation's function that calls transforms.
+
+
+def _tf_version() -> tuple[int, int]:
+    major, minor = tf.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _transform_module():
+    try:
+        from tensorflow.python.eager.polymorphic_function import transform
+    except ImportError as e:  # pragma: no cover - depends on the installed TF
+        raise UnsupportedTensorFlowError(
+            f"TensorFlow {tf.__version__} has no polymorphic_function.transform module; tf_memsafe "
+            f"supports TensorFlow {_supported_str()} (pip install 'tensorflow>=2.21,<2.22')") from e
+    return transform
+
+
+def _supported_str() -> str:
+    return ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TF)
+
+
+def check_supported() -> None:
+    """Raise :class:`UnsupportedTensorFlowError` unless this TF has the internals we use."""
+    if _tf_version() not in SUPPORTED_TF:
+        raise UnsupportedTensorFlowError(
+            f"tf_memsafe supports TensorFlow {_supported_str()}, found {tf.__version__}; its graph "
+            "hook uses TensorFlow internals that change between releases. Install a supported "
+            "TensorFlow, or leave tf_memsafe disabled.")
+    transforms = getattr(_transform_module(), "FUNC_GRAPH_TRANSFORMS", None)
+    if not isinstance(transforms, list):
+        raise UnsupportedTensorFlowError(
+            f"TensorFlow {tf.__version__} has no FUNC_GRAPH_TRANSFORMS list; the tf.function hook "
+            "cannot be installed")
+    from tensorflow.python.eager.polymorphic_function import tracing_compilation
+    if not hasattr(tracing_compilation, _TRACE_FRAME):
+        raise UnsupportedTensorFlowError(
+            f"TensorFlow {tf.__version__}: tracing_compilation.{_TRACE_FRAME} not found; "
+            "tf_memsafe cannot tell tf.function traces from control-flow bodies")
+
+
+def register_transform(fn: Callable[[Any], None]) -> None:
+    """Append ``fn`` to TensorFlow's transform list (idempotent)."""
+    transforms = _transform_module().FUNC_GRAPH_TRANSFORMS
+    if fn not in transforms:
+        transforms.append(fn)
+
+
+def unregister_transform(fn: Callable[[Any], None]) -> None:
+    transforms = _transform_module().FUNC_GRAPH_TRANSFORMS
+    while fn in transforms:
+        transforms.remove(fn)
+
+
+class TraceInfo:
+    """What the transform can learn about the graph it is called with.
+
+    Attributes:
+      is_function_trace: the graph is a ``tf.function`` trace (not a while/cond body).
+      must_compile: the function has ``jit_compile=True``.
+      in_xla_context: the graph or a parent is traced inside an XLA context (e.g. a plain
+        ``tf.function`` called from a jit one).
+    """
+
+    __slots__ = ("is_function_trace", "must_compile", "in_xla_context")
+
+    def __init__(self, is_function_trace: bool, must_compile: bool, in_xla_context: bool):
+        self.is_function_trace = is_function_trace
+        self.must_compile = must_compile
+        self.in_xla_context = in_xla_context
+
+    @property
+    def xla_compiled(self) -> bool:
+        return self.must_compile or self.in_xla_context
+
+
+def trace_info(graph) -> TraceInfo:
+    """Inspect the calling TensorFlow frames (read-only) to classify ``graph``."""
+    from tensorflow.python.ops import control_flow_util
+
+    attributes = None
+    is_function_trace = False
+    frame = sys._getframe(1)
+    # Only a few frames separate the transform from its caller; bound the walk anyway.
+    for _ in range(12):
+        if frame is None:
+            break
+        if frame.f_code.co_name == _TRACE_FRAME and "tracing_options" in frame.f_locals:
+            is_function_trace = True
+            attributes = getattr(frame.f_locals["tracing_options"], "attributes", None) or {}
+            break
+        frame = frame.f_back
+    must_compile = bool(attributes.get(XLA_MUST_COMPILE, False)) if attributes else False
+    try:
+        in_xla = bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+    except Exception:  # noqa: BLE001 - a graph without control-flow context is simply not in one
+        in_xla = False
+    return TraceInfo(is_function_trace, must_compile, in_xla)
+
+
+def is_control_flow_body(graph) -> bool:
+    """Whether ``graph`` is a while/cond body (including those built for gradients)."""
+    from tensorflow.python.framework import func_graph as func_graph_module
+
+    return type(graph) is not func_graph_module.FuncGraph and isinstance(graph, func_graph_module.FuncGraph)
+
+
+def physical_memory_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory_bytes(device_type: str = "CPU") -> int:
+    """Memory of the first device of ``device_type``: the GPU allocator's limit, or physical RAM."""
+    if device_type.upper() == "GPU":
+        from tensorflow.python.client import device_lib
+
+        for dev in device_lib.list_local_devices():
+            if dev.device_type == "GPU":
+                return int(dev.memory_limit)
+    return physical_memory_bytes()
