@@ -40,7 +40,8 @@ Semantics:
 Caveats: ``Const`` uses ``tensor_util.constant_value``, which sees ``Const`` ops and what it can
 fold (``Shape`` of a fully known shape, ``Pack`` of constants, ...), but not large eager
 constants that ``tf.function`` captured as ``Placeholder`` inputs. Control dependencies are
-ignored. Matching never modifies the graph (``constant_value`` marks folded tensors unfeedable).
+ignored. Matching adds no ops; its one side effect is ``constant_value`` recording a folded
+tensor as unfeedable (``graph.prevent_feeding``), which does not matter for traced functions.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ __all__ = [
 ]
 
 TensorPredicate = Callable[[tf.Tensor], bool]
+Where = TensorPredicate | Sequence[TensorPredicate] | None  # where= argument
 
 # An exclusivity failure happens only after the whole structure matched, so it outranks any
 # structural failure however deep.
@@ -143,7 +145,7 @@ def _predicate_name(pred: TensorPredicate) -> str:
     return getattr(pred, "description", None) or getattr(pred, "__name__", None) or repr(pred)
 
 
-def _normalize_where(where: TensorPredicate | Sequence[TensorPredicate] | None) -> tuple[TensorPredicate, ...]:
+def _normalize_where(where: Where) -> tuple[TensorPredicate, ...]:
     if where is None:
         return ()
     preds = tuple(where) if isinstance(where, (list, tuple)) else (where,)
@@ -198,7 +200,7 @@ class Op(Pattern):
         types: str,
         *inputs: Pattern,
         name: str | None = None,
-        where: TensorPredicate | Sequence[TensorPredicate] | None = None,
+        where: Where = None,
         commutative: bool = False,
         exclusive: bool = False,
         output: int | None = 0,
@@ -208,7 +210,9 @@ class Op(Pattern):
         if not types or not all(alternatives):
             raise ValueError(f"Op: empty op type in {types!r}")
         if commutative and len(inputs) != 2:
-            raise ValueError(f"Op({types!r}): commutative=True needs exactly 2 input patterns, got {len(inputs)}")
+            raise ValueError(
+                f"Op({types!r}): commutative=True needs exactly 2 input patterns, got {len(inputs)}"
+            )
         if output is not None and (not isinstance(output, int) or output < 0):
             raise ValueError(f"Op({types!r}): output must be a non-negative int or None, got {output!r}")
         self.types_text = "|".join(alternatives)
@@ -238,7 +242,7 @@ class Op(Pattern):
 class Any(Pattern):
     """Any tensor. ``Any("x")`` used twice in one pattern requires the identical tensor."""
 
-    def __init__(self, name: str | None = None, where: TensorPredicate | Sequence[TensorPredicate] | None = None):
+    def __init__(self, name: str | None = None, where: Where = None) -> None:
         self.name = name
         self.where = _normalize_where(where)
 
@@ -258,7 +262,7 @@ class Const(Pattern):
     def __init__(
         self,
         name: str | None = None,
-        where: TensorPredicate | Sequence[TensorPredicate] | None = None,
+        where: Where = None,
         value: object = None,
     ) -> None:
         self.name = name
@@ -356,7 +360,9 @@ class _State:
 
     def add_op(self, op: tf.Operation, exclusive: bool) -> _State:
         ops = self.ops if any(o is op for o in self.ops) else self.ops + (op,)
-        excl = self.exclusive + (op,) if exclusive and not any(o is op for o in self.exclusive) else self.exclusive
+        excl = self.exclusive
+        if exclusive and not any(o is op for o in excl):
+            excl = excl + (op,)
         return _State(self.captures, self.const_values, ops, excl)
 
 
@@ -421,7 +427,8 @@ class _Matcher:
         if p.name is not None:
             bound = st.lookup(p.name)
             if bound is not None and bound is not t:
-                fails.add(depth, f"{loc}: expected same tensor as capture {p.name} (`{bound.name}`), found `{t.name}`")
+                fails.add(depth, f"{loc}: expected same tensor as capture {p.name} (`{bound.name}`), "
+                                 f"found `{t.name}`")
                 return
         if isinstance(p, OneOf):
             yield from self._one_of(p, t, st, loc, depth, fails)
@@ -432,7 +439,8 @@ class _Matcher:
         if isinstance(p, Const):
             value = tensor_util.constant_value(t)
             if value is None:
-                fails.add(depth, f"{loc}: expected a constant, `{t.name}` ({t.op.type}) is not statically known")
+                fails.add(depth, f"{loc}: expected a constant, `{t.name}` ({t.op.type}) "
+                                 "is not statically known")
                 return
             if p.value is not None and not _values_equal(value, p.value):
                 fails.add(depth, f"{loc}: expected constant {_format_value(p.value)}, "
@@ -459,7 +467,8 @@ class _Matcher:
             fails.add(depth, f"{loc}: expected {p.types_text}, found {op.type} (`{op.name}`)")
             return False
         if p.output is not None and t.value_index != p.output:
-            fails.add(depth, f"{loc}: expected output {p.output} of `{op.name}` ({op.type}), found output {t.value_index}")
+            fails.add(depth, f"{loc}: expected output {p.output} of `{op.name}` ({op.type}), "
+                             f"found output {t.value_index}")
             return False
         n, k = len(op.inputs), len(p.inputs)
         if n < k or (n > k and not p.rest):
@@ -530,7 +539,9 @@ def match(pattern: Pattern, tensor: tf.Tensor) -> Match | NoMatch:
     for st in _Matcher()._match(pattern, tensor, _State(), "root", 0, fails):
         violation = _exclusivity_violation(st, tensor.op)
         if violation is None:
-            return Match(root=tensor, captures=dict(st.captures), ops=list(st.ops), const_values=dict(st.const_values))
+            return Match(
+                root=tensor, captures=dict(st.captures), ops=list(st.ops), const_values=dict(st.const_values)
+            )
         fails.add(_EXCLUSIVE_DEPTH, violation)
     return NoMatch(fails.reason)
 

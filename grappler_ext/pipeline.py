@@ -34,7 +34,7 @@ __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "regi
 
 # The product's pass order.  Rewrites that make patterns cheaper run before the splitter, which
 # must see the cheapest form of each region.
-DEFAULT_ORDER: tuple[str, ...] = ()
+DEFAULT_ORDER: tuple[str, ...] = ("pairwise_distance",)
 
 _REGISTRY: dict[str, type[GraphPass]] = {}
 
@@ -152,7 +152,7 @@ class Pipeline:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{step:03d}_{pass_name}_{when}.txt")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(format_graph(graph) + "\n")
+            f.write(format_graph(graph))
 
 
 def default_pipeline() -> Pipeline:

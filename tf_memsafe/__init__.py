@@ -13,6 +13,10 @@ Public API:
 * :func:`get_options` and :class:`Options` -- the frozen options in force;
 * :func:`parse_memory_limit` -- the limit parser ("4GB", "1.5GiB", "80%", ...);
 * :func:`reports` -- what the hook did with each function traced while enabled;
+* :func:`explain` and :class:`Report` -- one function measured before and after the rewrites, with
+  every pass's records (``print(tf_memsafe.explain(f, x))``);
+* :func:`memory_footprint` -- XLA's "Total bytes used" for a function's compiled program, compiled
+  but not run; :func:`peak_memory` -- the allocator's peak while running it;
 * errors: :class:`TfMemsafeError`, :class:`RewriteError`, :class:`UnsupportedTensorFlowError`.
 """
 
@@ -22,19 +26,27 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from tf_memsafe import config as _config
-from tf_memsafe import hook as _hook
-from tf_memsafe.config import Options
-from tf_memsafe.errors import RewriteError, TfMemsafeError, UnsupportedTensorFlowError
-from tf_memsafe.hook import TraceReport
-from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit
+from tf_memsafe import xla_flags as _xla_flags
+
+# Before anything can make XLA read XLA_FLAGS: lets measurements set a dump directory per compile.
+_xla_flags.ensure_reset_flag()
+
+from tf_memsafe import config as _config  # noqa: E402
+from tf_memsafe import hook as _hook  # noqa: E402
+from tf_memsafe.config import Options  # noqa: E402
+from tf_memsafe.errors import RewriteError, TfMemsafeError, UnsupportedTensorFlowError  # noqa: E402
+from tf_memsafe.hook import TraceReport  # noqa: E402
+from tf_memsafe.memory import MeasurementError, memory_footprint, peak_memory  # noqa: E402
+from tf_memsafe.report import Report, explain  # noqa: E402
+from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "enable", "disable", "is_enabled", "options", "get_options", "Options", "parse_memory_limit",
     "MemoryLimit", "format_bytes", "reports", "TraceReport", "TfMemsafeError", "RewriteError",
-    "UnsupportedTensorFlowError",
+    "UnsupportedTensorFlowError", "memory_footprint", "peak_memory", "MeasurementError",
+    "explain", "Report",
 ]
 
 _enable_lock = threading.Lock()

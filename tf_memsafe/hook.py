@@ -32,7 +32,7 @@ from tf_memsafe import _tf_internals, config
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "reports", "clear_reports",
-           "use_pipeline", "GENERATED_ATTR", "transform"]
+           "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
 GENERATED_ATTR = "_tf_memsafe_generated"
@@ -99,6 +99,16 @@ def use_pipeline(pipeline: Pipeline) -> Iterator[Pipeline]:
     finally:
         with _lock:
             _pipeline_override.remove(pipeline)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Trace without rewriting in this thread for the duration of the block (for "before" figures)."""
+    _local.depth = _depth() + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
 
 
 def _device_type(graph) -> str:

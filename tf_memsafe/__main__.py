@@ -1,0 +1,157 @@
+"""``python -m tf_memsafe``: run a script or module with tf_memsafe enabled, then say what it did.
+
+In the habit of ``python -m cProfile``::
+
+    python -m tf_memsafe --memory-limit 4GB [--explain] [--disable-pass NAME ...] [--strict] script.py [args]
+    python -m tf_memsafe --memory-limit 4GB -m module [args]
+
+The script runs unchanged, as ``__main__``, with ``sys.argv`` set to the script and its arguments and
+the script's folder first on ``sys.path`` (as ``python script.py`` would).  At exit, a summary goes
+to stderr: one line per function traced while enabled (its name, status, and the reason or the
+number of rewrites); ``--explain`` adds each function's pass records.  The script's exit status is
+kept.  Bad arguments get one error line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+import tf_memsafe
+from tf_memsafe import hook
+from tf_memsafe.hook import TraceReport
+from tf_memsafe.report import format_records
+from tf_memsafe.units import ACCEPTED_FORMS, format_bytes, parse_memory_limit
+
+PROG = "python -m tf_memsafe"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, no usage block: ``python -m tf_memsafe: error: ... (see --help)``."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _memory_limit(text: str) -> str:
+    try:
+        parse_memory_limit(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid memory limit {text!r}: expected {ACCEPTED_FORMS}") from None
+    return text
+
+
+def _parser() -> tuple[_Parser, set[str]]:
+    """The parser, and the option strings that take a value (to find where the script's args start)."""
+    parser = _Parser(
+        prog=PROG, allow_abbrev=False,
+        usage=f"{PROG} [options] script.py [args ...]\n       {PROG} [options] -m module [args ...]",
+        description="Run a Python script or module with tf_memsafe enabled: every "
+                    "tf.function(jit_compile=True) it traces is rewritten to fit the memory limit. "
+                    "At exit, a summary of the traced functions goes to stderr.",
+        epilog="Everything after the script (or after -m MODULE) is passed to it unchanged. "
+               "The script's exit status is kept.")
+    actions = [
+        parser.add_argument("--memory-limit", type=_memory_limit, default="80%", metavar="LIMIT",
+                            help="limit on each compiled program's memory: '4GB', '512MiB', '1.5GiB', a number "
+                                 "of bytes, or a percentage of the device's memory such as '80%%' "
+                                 "(default: %(default)s)"),
+        parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                            help="do not run the pass NAME (repeatable)"),
+        parser.add_argument("--strict", action="store_true",
+                            help="raise instead of leaving a function as traced when a pass fails"),
+        parser.add_argument("--explain", action="store_true",
+                            help="also print every pass's records for each function"),
+        parser.add_argument("-m", dest="module", metavar="MODULE",
+                            help="run library module MODULE as a script (like python -m)"),
+    ]
+    parser.add_argument("script", nargs="?", help="the Python script to run")
+    takes_value = {s for a in actions if a.nargs != 0 for s in a.option_strings}
+    return parser, takes_value
+
+
+def _split(argv: Sequence[str], takes_value: set[str]) -> tuple[list[str], list[str]]:
+    """Our arguments, and the target's: ours end at the script, or just after ``-m MODULE``."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return list(argv[:i + 2]), list(argv[i + 2:])
+        if tok == "-m":
+            return list(argv[:i + 2]), list(argv[i + 2:])
+        if tok.startswith("-m") and not tok.startswith("--"):  # -mmodule
+            return list(argv[:i + 1]), list(argv[i + 1:])
+        if not tok.startswith("-") or tok == "-":
+            return list(argv[:i + 1]), list(argv[i + 1:])
+        i += 2 if tok in takes_value else 1
+    return list(argv), []
+
+
+def _summary(traces: Sequence[TraceReport], explain: bool) -> str:
+    if not traces:
+        return "tf_memsafe: no tf.function was traced while enabled"
+    n = len(traces)
+    lines = [f"tf_memsafe: {n} function{'' if n == 1 else 's'} traced"]
+    rows = []
+    for t in traces:
+        if t.status == "rewritten":
+            k = sum(r.action == "rewritten" for r in t.records)
+            detail = f"{k} rewrite{'' if k == 1 else 's'}"
+        else:
+            detail = t.reason
+        limit = f"limit {format_bytes(t.memory_limit_bytes)}" if t.memory_limit_bytes is not None else "-"
+        rows.append((t, t.function_name, t.status, limit, detail))
+    widths = [max(len(row[i]) for row in rows) for i in (1, 2, 3)]
+    for t, *cells in rows:
+        lines.append(("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + cells[3]).rstrip())
+        if explain and t.pipeline is not None:
+            lines += ["      " + line for line in format_records(t.records)]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, takes_value = _parser()
+    ours, target_args = _split(argv, takes_value)
+    args = parser.parse_args(ours)
+    if args.module and args.script:  # "-m mod" ends our options, so this is "script.py -m mod"
+        parser.error("give a script or -m MODULE, not both")
+    if not args.module and not args.script:
+        parser.error("give a script to run, or -m MODULE")
+    if args.script:
+        if not os.path.isfile(args.script):
+            parser.error(f"can't open file {args.script!r}: no such file")
+        target = [args.script]
+    else:
+        try:
+            spec = importlib.util.find_spec(args.module)
+        except (ImportError, ValueError) as e:
+            parser.error(f"cannot find module {args.module!r}: {e}")
+        if spec is None:
+            parser.error(f"no module named {args.module!r}")
+        target = [args.module]
+
+    try:
+        tf_memsafe.enable(args.memory_limit, disabled_passes=args.disable_pass, strict=args.strict)
+    except (tf_memsafe.TfMemsafeError, ValueError, TypeError) as e:
+        parser.exit(1, f"{PROG}: error: {e}\n")
+    earlier = hook.reports()
+    seen = {id(r) for r in earlier}
+    sys.argv[:] = target + target_args
+    try:
+        if args.script:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+            runpy.run_path(args.script, run_name="__main__")
+        else:
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    finally:
+        traces = [r for r in hook.reports() if id(r) not in seen]
+        sys.stdout.flush()
+        print(_summary(traces, args.explain), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

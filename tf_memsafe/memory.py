@@ -1,0 +1,104 @@
+"""Memory, measured: XLA's own figure for a compiled program, and the runtime peak.
+
+:func:`memory_footprint` compiles -- never runs -- the function with XLA and reads "Total bytes
+used" from the memory-usage report of XLA's buffer assignment: the bytes the compiled program
+needs for its parameters, outputs, constants and temporaries.  That figure is deterministic,
+which makes it the project's yardstick in tests, benchmarks and reports.
+
+:func:`peak_memory` runs the function and reads TensorFlow's allocator statistics for the device;
+on the CPU the allocator rounds regions up, so it is an upper bound of XLA's figure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+
+import tensorflow as tf
+
+from tf_memsafe import hook, xla_flags
+from tf_memsafe.errors import TfMemsafeError
+
+__all__ = ["memory_footprint", "peak_memory", "MeasurementError"]
+
+_TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
+_REPORT_GLOB = "*after_optimizations-memory-usage-report.txt"
+
+
+class MeasurementError(TfMemsafeError):
+    """XLA did not produce the report a measurement needs (the message says why and what to do)."""
+
+
+def _fresh_function(fn) -> tf.types.experimental.PolymorphicFunction:
+    """A new ``tf.function(jit_compile=True)`` of the same Python function, so it is traced anew.
+
+    The user's function keeps its own trace cache untouched; the copy is traced under the options
+    in force now (or with the hook suspended, for "before" figures).
+    """
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        python_fn = fn.python_function
+        signature = fn.input_signature
+        autograph = getattr(fn, "_autograph", True)  # keep the user's choice; TF has no public getter
+    elif callable(fn):
+        python_fn, signature, autograph = fn, None, True
+    else:
+        raise TypeError(f"memory_footprint needs a tf.function or a callable, got {type(fn).__name__}")
+    return tf.function(python_fn, jit_compile=True, input_signature=signature, autograph=autograph)
+
+
+def _read_total_bytes(folder: str) -> int:
+    reports = sorted(glob.glob(os.path.join(folder, _REPORT_GLOB)))
+    if not reports:
+        raise MeasurementError(
+            "XLA wrote no memory-usage report: XLA read XLA_FLAGS before tf_memsafe was imported, so it "
+            "ignores the dump directory. Import tf_memsafe before the first XLA compile, or start the "
+            f"process with XLA_FLAGS='{xla_flags.RESET_FLAG}'.")
+    totals = []
+    for path in reports:
+        with open(path, encoding="utf-8") as f:
+            found = _TOTAL_RE.search(f.read())
+        if found is None:
+            raise MeasurementError(f"no 'Total bytes used' line in XLA's report {os.path.basename(path)}")
+        totals.append(int(found.group(1)))
+    return sum(totals)
+
+
+def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
+    """Bytes XLA's buffer assignment gives the compiled program of ``fn`` on these arguments.
+
+    Args:
+      fn: a ``tf.function`` (its Python function is re-traced with ``jit_compile=True``) or a plain
+        callable.
+      *args, **kwargs: the arguments to compile for (tensors, variables or ``tf.TensorSpec``s).
+      rewrite: with ``True`` (default), the figure with tf_memsafe's current options applied when
+        tf_memsafe is enabled; with ``False``, the program exactly as the user wrote it ("before").
+
+    The function is compiled, not run.  It is traced afresh each call (the user's own trace cache
+    is not touched) and can be called any number of times, for different functions, anywhere in a
+    program.  A program XLA splits into several modules reports their sum.
+    """
+    copy = _fresh_function(fn)
+    suspend = contextlib.nullcontext() if rewrite else hook.suspended()
+    with xla_flags.dump_for_one_compile() as folder, suspend:
+        copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+        return _read_total_bytes(folder)
+
+
+def peak_memory(fn, *args, device: str | None = None, **kwargs) -> int:
+    """Run ``fn(*args, **kwargs)`` once and return the device allocator's peak bytes during the call.
+
+    The peak counts everything allocated on ``device`` (default: ``"GPU:0"`` when a GPU is visible,
+    else ``"CPU:0"``) during the call, including the arguments' copies and the outputs.  On the CPU
+    the allocator rounds up, so this is an upper bound of :func:`memory_footprint`.
+    """
+    if device is None:
+        device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    result = fn(*args, **kwargs)
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)  # wait for it
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    del result
+    return max(0, peak - before)

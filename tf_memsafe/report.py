@@ -1,0 +1,201 @@
+"""``explain(fn, *args)``: what tf_memsafe does to one function, and the memory it saves.
+
+:func:`explain` compiles (never runs) ``fn`` twice on the given arguments:
+
+* "before": traced with the hook suspended, the program exactly as written;
+* "after": traced afresh under the options in force in this thread, through the hook, which
+  leaves a :class:`~tf_memsafe.hook.TraceReport` with every pass's :class:`~grappler_ext.pass_base.Record`.
+
+Both figures are XLA's "Total bytes used" (:func:`tf_memsafe.memory_footprint`).  The user's own
+``tf.function`` keeps its trace cache untouched.  If tf_memsafe is not enabled, the hook is
+installed for the "after" trace only and uninstalled afterwards; meanwhile :func:`tf_memsafe.enable`
+and :func:`tf_memsafe.disable` in other threads wait, and traces other threads make in that window
+are rewritten too (the hook is process-wide).
+
+The :class:`Report` is built from the pass records; ``str(report)`` is a table to read at a
+glance, ``report.to_dict()`` plain JSON-ready data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from grappler_ext.pass_base import Record
+from tf_memsafe import _tf_internals, config, hook
+from tf_memsafe.memory import _fresh_function, memory_footprint
+from tf_memsafe.units import format_bytes
+
+__all__ = ["Report", "explain", "format_records"]
+
+# At most this many op names per record in the table; the rest are counted ("+3 more").
+MAX_OPS_SHOWN = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What tf_memsafe did to one function, measured.
+
+    Attributes:
+      function_name: the Python function's name.
+      memory_limit_bytes: the limit the pipeline used, resolved for the device, in bytes.
+      footprint_before_bytes: XLA's "Total bytes used" for the function as written.
+      footprint_after_bytes: the same figure with tf_memsafe's rewrites applied.
+      status: the hook's status for the trace: ``"rewritten"``, ``"unchanged"``, ``"skipped"`` or
+        ``"failed"`` (see :class:`~tf_memsafe.hook.TraceReport`).
+      reason: one line saying why, for every status but ``"rewritten"``.
+      records: every pass's records for the trace, in the order the passes ran.
+    """
+
+    function_name: str
+    memory_limit_bytes: int
+    footprint_before_bytes: int
+    footprint_after_bytes: int
+    status: str
+    reason: str = ""
+    records: tuple[Record, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "records", tuple(self.records))
+
+    @property
+    def within_limit(self) -> bool:
+        """Whether the rewritten program fits the limit."""
+        return self.footprint_after_bytes <= self.memory_limit_bytes
+
+    @property
+    def rewritten(self) -> list[Record]:
+        return [r for r in self.records if r.action == "rewritten"]
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serialisable data (``within_limit`` included); :meth:`from_dict` inverts it."""
+        out = dataclasses.asdict(self)
+        out["records"] = [{**r.to_dict(), "ops": list(r.ops)} for r in self.records]
+        out["within_limit"] = self.within_limit
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Report:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["records"] = tuple(Record(**{**r, "ops": tuple(r["ops"])}) for r in data.get("records", ()))
+        return cls(**kwargs)
+
+    def __str__(self) -> str:
+        before, after = self.footprint_before_bytes, self.footprint_after_bytes
+        over = after - self.memory_limit_bytes
+        verdict = (f"within the limit ({format_bytes(-over)} to spare)" if over <= 0
+                   else f"OVER the limit by {format_bytes(over)}")
+        status = self.status + (f": {self.reason}" if self.reason else "")
+        if self.status == "rewritten":
+            n = len(self.rewritten)
+            status += f": {n} rewrite{'' if n == 1 else 's'}"
+        lines = [
+            f"tf_memsafe: {self.function_name}  (limit {format_bytes(self.memory_limit_bytes)})",
+            f"  footprint  {format_bytes(before)} -> {format_bytes(after)}   {verdict}",
+            f"  status     {status}",
+        ]
+        lines += ["  " + line for line in format_records(self.records)]
+        return "\n".join(lines)
+
+
+def _format_ops(ops: Sequence[str]) -> str:
+    if not ops:
+        return "-"
+    shown = ", ".join(ops[:MAX_OPS_SHOWN])
+    return shown + (f" +{len(ops) - MAX_OPS_SHOWN} more" if len(ops) > MAX_OPS_SHOWN else "")
+
+
+def _format_record_bytes(record: Record) -> str:
+    if record.bytes_before is None and record.bytes_after is None:
+        return "-"
+    return f"{format_bytes(record.bytes_before)} -> {format_bytes(record.bytes_after)}"
+
+
+def format_records(records: Sequence[Record]) -> list[str]:
+    """The records as an aligned table, a header line first; ``["(no pass records)"]`` if none.
+
+    Columns: pass, action, bytes before -> after ("-" when unknown, "?" for one unknown side),
+    ops (at most :data:`MAX_OPS_SHOWN` names), reason.  Lines carry no trailing spaces.
+    """
+    if not records:
+        return ["(no pass records)"]
+    rows = [("pass", "action", "bytes before -> after", "ops", "reason")]
+    rows += [(r.pass_name, r.action, _format_record_bytes(r), _format_ops(r.ops), r.reason) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return ["  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[4]]).rstrip() for row in rows]
+
+
+def _function_name(fn) -> str:
+    python_fn = getattr(fn, "python_function", fn)
+    return getattr(python_fn, "__name__", None) or type(python_fn).__name__
+
+
+@contextlib.contextmanager
+def _hook_active() -> Iterator[None]:
+    """The hook installed for the block: as it is if tf_memsafe is enabled, else installed and
+    uninstalled again, holding tf_memsafe's enable lock so no enable/disable interleaves."""
+    import tf_memsafe
+
+    if hook.is_installed():
+        yield
+        return
+    with tf_memsafe._enable_lock:
+        if hook.is_installed():  # enabled by another thread while we waited
+            yield
+            return
+        hook.install()
+        try:
+            yield
+        finally:
+            hook.uninstall()
+
+
+def _resolved_limit_bytes(opts: config.Options) -> int:
+    """The limit in bytes for the device a function would run on (the hook's rule, without a graph)."""
+    if opts.memory_limit_bytes is not None:
+        return opts.memory_limit_bytes
+    import tensorflow as tf
+
+    device = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return opts.resolve_memory_limit_bytes(_tf_internals.device_memory_bytes(device))
+
+
+def explain(fn, *args, **kwargs) -> Report:
+    """Measure ``fn`` on these arguments before and after tf_memsafe's rewrites, and say why.
+
+    Args:
+      fn: a ``tf.function`` or a plain callable (traced anew with ``jit_compile=True``).
+      *args, **kwargs: the arguments to compile for (tensors, variables or ``tf.TensorSpec``s).
+
+    Returns:
+      A :class:`Report`; ``print(report)`` shows the table.
+
+    Works whether or not tf_memsafe is enabled, under the options in force in this thread
+    (``with tf_memsafe.options(...)`` applies).  Nothing is run and the user's function is not
+    traced.  With ``strict=True`` a failing pass raises :class:`~tf_memsafe.errors.RewriteError`.
+    """
+    _fresh_function(fn)  # reject a non-callable before compiling anything
+    before = memory_footprint(fn, *args, rewrite=False, **kwargs)
+    earlier = hook.reports()  # kept alive, so their ids cannot be reused by new reports
+    seen = {id(r) for r in earlier}
+    with _hook_active():
+        after = memory_footprint(fn, *args, rewrite=True, **kwargs)
+    # Identity, not length: the report buffer is bounded and drops its oldest entries.
+    traces = [r for r in hook.reports() if id(r) not in seen]
+    records = tuple(rec for t in traces for rec in t.records)
+    # The function's own trace comes first; functions it calls may add more.
+    failed = [t for t in traces if t.status == "failed"]
+    if failed:
+        status, reason = "failed", failed[0].reason
+    elif any(t.status == "rewritten" for t in traces):
+        status, reason = "rewritten", ""
+    elif traces:
+        status, reason = traces[0].status, traces[0].reason
+    else:
+        status, reason = "skipped", "the hook saw no trace of the function"
+    limit = next((t.memory_limit_bytes for t in traces if t.memory_limit_bytes is not None), None)
+    if limit is None:
+        limit = _resolved_limit_bytes(config.current())
+    return Report(_function_name(fn), limit, before, after, status, reason, records)
