@@ -14,10 +14,9 @@ import argparse
 import sys
 
 import numpy as np
+import tensorflow as tf
 
-import tf_memsafe  # import before TensorFlow compiles anything: it manages XLA_FLAGS
-
-import tensorflow as tf  # noqa: E402, I001
+import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 
 
 def knn(queries, points, k):
