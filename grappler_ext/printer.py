@@ -39,11 +39,12 @@ actual text (to paste into the test) and a unified diff.
 from __future__ import annotations
 
 import difflib
-import heapq
 import json
 
 import numpy as np
 import tensorflow as tf
+
+from grappler_ext.verifier import live_ops, topological_order
 
 __all__ = ["assert_graph_text", "canonical_lines", "format_graph", "graph_fingerprint"]
 
@@ -121,67 +122,13 @@ def graph_fingerprint(graph: tf.Graph) -> str:
 # --- order -----------------------------------------------------------------------------------
 
 
-def _predecessors(op: tf.Operation) -> list[tf.Operation]:
-    return [t.op for t in op.inputs] + list(op.control_inputs)
-
-
-def _live_names(graph: tf.Graph) -> set[str]:
-    """Names of the ops reachable backwards from the outputs and control outputs."""
-    roots = [t.op for t in graph.outputs if t is not None] + list(getattr(graph, "control_outputs", []))
-    live: set[str] = set()
-    stack = roots
-    while stack:
-        op = stack.pop()
-        if op.name in live:
-            continue
-        live.add(op.name)
-        stack.extend(_predecessors(op))
-    return live
-
-
 def _ordered_ops(graph: tf.Graph, *, include_dead: bool) -> list[tf.Operation]:
-    """Input placeholders in ``graph.inputs`` order, then Kahn's algorithm, ties by creation order."""
-    all_ops = graph.get_operations()
+    """Input placeholders in ``graph.inputs`` order, then a topological order, ties by creation order."""
     if include_dead or getattr(graph, "outputs", None) is None:
-        ops = all_ops
+        ops = set(graph.get_operations())
     else:
-        live = _live_names(graph)
-        ops = [op for op in all_ops if op.name in live]
-    index = {op.name: i for i, op in enumerate(ops)}
-
-    order: list[tf.Operation] = []
-    emitted: set[str] = set()
-    for t in getattr(graph, "inputs", []):
-        op = t.op
-        # An input op with predecessors of its own (not seen in practice) waits for the sort.
-        if op.name in index and op.name not in emitted and not _predecessors(op):
-            order.append(op)
-            emitted.add(op.name)
-
-    pending: dict[str, int] = {}  # op name -> number of unemitted predecessor edges
-    consumers: dict[str, list[int]] = {}
-    for i, op in enumerate(ops):
-        if op.name in emitted:
-            continue
-        count = 0
-        for pred in _predecessors(op):
-            if pred.name in index and pred.name not in emitted:
-                count += 1
-                consumers.setdefault(pred.name, []).append(i)
-        pending[op.name] = count
-    ready = [i for i, op in enumerate(ops) if op.name in pending and pending[op.name] == 0]
-    heapq.heapify(ready)
-    while ready:
-        op = ops[heapq.heappop(ready)]
-        order.append(op)
-        for j in consumers.get(op.name, []):
-            pending[ops[j].name] -= 1
-            if pending[ops[j].name] == 0:
-                heapq.heappush(ready, j)
-    if len(order) != len(ops):
-        stuck = [f"{op.name} ({op.type})" for op in ops if pending.get(op.name, 0) > 0]
-        raise ValueError(f"graph has a cycle; ops on it or after it: {', '.join(stuck)}")
-    return order
+        ops = live_ops(graph)
+    return topological_order(graph, ops, first=[t.op for t in getattr(graph, "inputs", [])])
 
 
 # --- one line --------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ class OutputSignature:
 
 
 def _roots(graph) -> list[tf.Operation]:
-    roots = [t.op for t in getattr(graph, "outputs", [])]
+    roots = [t.op for t in getattr(graph, "outputs", []) if t is not None]
     roots += list(getattr(graph, "control_outputs", []))
     return roots
 
@@ -65,25 +65,31 @@ def live_ops(graph) -> set[tf.Operation]:
     return seen
 
 
-def topological_order(graph, ops: set[tf.Operation] | None = None) -> list[tf.Operation]:
+def _predecessors(op: tf.Operation) -> set[tf.Operation]:
+    return {t.op for t in op.inputs} | set(op.control_inputs)
+
+
+def topological_order(graph, ops=None, first=()) -> list[tf.Operation]:
     """``ops`` (default: live ops) in a topological order, ties broken by creation order.
 
-    Creation order alone is not topological once passes have rewired inputs.  Raises
-    :class:`VerificationError` on a cycle.
+    ``first``: ops without predecessors to emit before all others, in the given order (the
+    printer puts the function's input placeholders first).  Creation order alone is not
+    topological once passes have rewired inputs.  Raises :class:`VerificationError` on a cycle,
+    naming the ops on it or after it.
     """
     ops = live_ops(graph) if ops is None else set(ops)
     created = {op: i for i, op in enumerate(graph.get_operations())}
-    indegree = {op: 0 for op in ops}
+    order = [op for op in dict.fromkeys(first) if op in ops and not _predecessors(op)]
+    emitted = set(order)
+    indegree = {op: 0 for op in ops if op not in emitted}
     users: dict = {op: [] for op in ops}
-    for op in ops:
-        preds = {t.op for t in op.inputs} | set(op.control_inputs)
-        for p in preds:
-            if p in ops:
+    for op in indegree:
+        for p in _predecessors(op):
+            if p in indegree:
                 indegree[op] += 1
                 users[p].append(op)
     ready = [(created.get(op, -1), id(op), op) for op, d in indegree.items() if d == 0]
     heapq.heapify(ready)
-    order = []
     while ready:
         _, _, op = heapq.heappop(ready)
         order.append(op)
@@ -92,8 +98,9 @@ def topological_order(graph, ops: set[tf.Operation] | None = None) -> list[tf.Op
             if indegree[u] == 0:
                 heapq.heappush(ready, (created.get(u, -1), id(u), u))
     if len(order) != len(ops):
-        stuck = sorted(op.name for op, d in indegree.items() if d > 0)
-        raise VerificationError(f"graph has a cycle through {stuck[:5]}")
+        stuck = sorted((op for op, d in indegree.items() if d > 0), key=lambda o: created.get(o, -1))
+        raise VerificationError(f"graph has a cycle; ops on it or after it: "
+                                f"{', '.join(f'{op.name} ({op.type})' for op in stuck)}")
     return order
 
 

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from grappler_ext.printer import assert_graph_text, canonical_lines, format_graph, graph_fingerprint
+from grappler_ext.verifier import VerificationError
 
 
 def trace(fn, *specs):
@@ -214,7 +215,7 @@ class TestRewiredToNewerOp:
         graph = rewired_graph()
         neg = op_of_type(graph, "Neg")
         neg._update_input(0, op_of_type(graph, "AddV2").outputs[0])
-        with pytest.raises(ValueError, match=r"cycle.*add \(AddV2\).*Neg \(Neg\)"):
+        with pytest.raises(VerificationError, match=r"cycle.*add \(AddV2\).*Neg \(Neg\)"):
             format_graph(graph)
 
 
