@@ -37,6 +37,7 @@ setup(
     packages=find_packages(include=["tf_memsafe", "tf_memsafe.*", "grappler_ext", "grappler_ext.*"]),
     install_requires=[TENSORFLOW, "numpy>=1.26,<2.5"],
     extras_require=EXTRAS,
+    entry_points={"console_scripts": ["tf-memsafe = tf_memsafe.__main__:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: Apache Software License",

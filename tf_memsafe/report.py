@@ -110,13 +110,16 @@ def _format_ops(ops: Sequence[str]) -> str:
 def _format_record_bytes(record: Record) -> str:
     if record.bytes_before is None and record.bytes_after is None:
         return "-"
+    if record.action == "skipped" and record.bytes_after is None:  # left alone: nothing "after"
+        return format_bytes(record.bytes_before)
     return f"{format_bytes(record.bytes_before)} -> {format_bytes(record.bytes_after)}"
 
 
 def format_records(records: Sequence[Record]) -> list[str]:
     """The records as an aligned table, a header line first; ``["(no pass records)"]`` if none.
 
-    Columns: pass, action, bytes before -> after ("-" when unknown, "?" for one unknown side),
+    Columns: pass, action, bytes before -> after ("-" when unknown, "?" for one unknown side, the
+    bytes before alone for a skip),
     ops (at most :data:`MAX_OPS_SHOWN` names), reason.  Lines carry no trailing spaces.
     """
     if not records:

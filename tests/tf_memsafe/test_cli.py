@@ -1,0 +1,119 @@
+"""``python -m tf_memsafe``: runs a script or module unchanged, then summarises; bad input, one line.
+
+Each test starts a Python process (TensorFlow's import costs seconds), so there are few of them.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+PROG = "python -m tf_memsafe"
+
+SCRIPT = textwrap.dedent("""\
+    import sys
+
+    import tensorflow as tf
+
+
+    @tf.function(jit_compile=True)
+    def double_it(x):
+        return x * 2.0
+
+
+    print("result", double_it(tf.constant([1.5])).numpy().tolist())
+    print("argv", sys.argv[1:], sys.argv[0].endswith("script.py"))
+    print("name", __name__)
+""")
+
+
+def run_cli(*args, cwd, pythonpath=None):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "tf_memsafe", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def our_lines(stderr: str) -> list[str]:
+    """Our error lines, without TensorFlow's start-up logging."""
+    return [line for line in stderr.splitlines() if line.startswith(f"{PROG}:")]
+
+
+def test_help_documents_the_options(tmp_path):
+    proc = run_cli("--help", cwd=tmp_path)
+    assert proc.returncode == 0
+    for option in ("--memory-limit", "--explain", "--disable-pass", "--strict", "-m MODULE"):
+        assert option in proc.stdout
+
+
+def test_script_runs_unchanged_with_its_args_and_a_summary_follows(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    proc = run_cli("--memory-limit", "4GB", "--explain", "script.py", "a", "--flag", "-m", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "result [3.0]\nargv ['a', '--flag', '-m'] True\nname __main__\n"
+    assert "tf_memsafe: 1 function traced" in proc.stderr
+    # 4 GB = 3.73 GiB; the product pipeline may or may not rewrite a doubling.
+    assert re.search(r"^  double_it  (rewritten|unchanged)  limit 3\.73 GiB  \S", proc.stderr, re.MULTILINE), \
+        proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_module_gets_its_args_and_its_exit_status_is_kept(tmp_path):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "exits_three.py").write_text(
+        "import sys\nprint('module', __name__, sys.argv[1:])\nsys.exit(3)\n")
+    proc = run_cli("--memory-limit", "512MiB", "-m", "exits_three", "x", "--y", cwd=tmp_path,
+                   pythonpath=tmp_path / "mods")
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "module __main__ ['x', '--y']\n"
+    assert "tf_memsafe: no tf.function was traced while enabled" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_script_is_one_line_error(tmp_path):
+    proc = run_cli("--memory-limit", "4GB", "no_such_script.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert our_lines(proc.stderr) == [f"{PROG}: error: can't open file 'no_such_script.py': no such file "
+                                      "(see --help)"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_memory_limit_names_the_accepted_forms(tmp_path):
+    (tmp_path / "script.py").write_text("print('must not run')\n")
+    proc = run_cli("--memory-limit", "4 gigs", "script.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    (line,) = our_lines(proc.stderr)
+    assert "invalid memory limit '4 gigs'" in line and "'4GB'" in line and "GiB" in line and "'80%'" in line
+    assert "Traceback" not in proc.stderr
+
+
+class TestInProcess:
+    """Argument handling that exits before anything runs: no process needed."""
+
+    def test_unknown_flag_is_one_line_error(self, tmp_path, capsys):
+        from tf_memsafe.__main__ import main
+
+        script = tmp_path / "script.py"
+        script.write_text("raise SystemExit('must not run')\n")
+        try:
+            main(["--bogus", str(script)])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError("main() accepted --bogus")
+        err = capsys.readouterr().err
+        assert err == f"{PROG}: error: unrecognized arguments: --bogus (see --help)\n"
+
+    def test_split_ends_our_options_at_the_script_or_after_the_module(self):
+        from tf_memsafe.__main__ import _parser, _split
+
+        _, takes_value = _parser()
+        assert _split(["--memory-limit", "4GB", "s.py", "--strict"], takes_value) == (
+            ["--memory-limit", "4GB", "s.py"], ["--strict"])
+        assert _split(["--strict", "-m", "pkg.mod", "-m", "x"], takes_value) == (
+            ["--strict", "-m", "pkg.mod"], ["-m", "x"])
+        assert _split(["--disable-pass", "a.py", "--", "s.py", "b"], takes_value) == (
+            ["--disable-pass", "a.py", "--", "s.py"], ["b"])
