@@ -108,7 +108,7 @@ def parse_memory_limit(value) -> MemoryLimit:
 
 
 def format_bytes(n: int | float | None) -> str:
-    """Bytes for people: binary units, three significant digits (``1.49 GiB``, ``812 B``)."""
+    """Bytes for people: binary units, three significant digits (``1.49 GiB``, ``1010 MiB``, ``812 B``)."""
     if n is None:
         return "?"
     n = float(n)
@@ -116,5 +116,6 @@ def format_bytes(n: int | float | None) -> str:
     n = abs(n)
     for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
-            return f"{sign}{n / scale:.3g} {unit}"
+            value = n / scale  # in [1, 1024): three significant digits, never an exponent
+            return f"{sign}{value:.0f} {unit}" if value >= 100 else f"{sign}{value:.3g} {unit}"
     return f"{sign}{int(n)} B"

@@ -101,6 +101,7 @@ def test_memory_limit_needs_exactly_one_form():
 
 
 @pytest.mark.parametrize("n, text", [(None, "?"), (0, "0 B"), (812, "812 B"), (1024, "1 KiB"),
-                                     (1600016, "1.53 MiB"), (2405016028, "2.24 GiB"), (-2048, "-2 KiB")])
+                                     (1600016, "1.53 MiB"), (2405016028, "2.24 GiB"), (-2048, "-2 KiB"),
+                                     (1010 * 2**20, "1010 MiB"), (1023.6 * 2**10, "1024 KiB")])
 def test_format_bytes(n, text):
     assert format_bytes(n) == text
