@@ -19,6 +19,7 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from tf_memsafe.errors import UnsupportedTensorFlowError
 
 __all__ = [
     "SUPPORTED_TF", "check_supported", "register_transform", "unregister_transform",
-    "TraceInfo", "trace_info", "is_control_flow_body", "device_memory_bytes",
+    "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -135,19 +136,13 @@ def trace_info(graph) -> TraceInfo:
     return TraceInfo(is_function_trace, must_compile, in_xla)
 
 
-def is_control_flow_body(graph) -> bool:
-    """Whether ``graph`` is a while/cond body (including those built for gradients)."""
-    from tensorflow.python.framework import func_graph as func_graph_module
-
-    return type(graph) is not func_graph_module.FuncGraph and isinstance(graph, func_graph_module.FuncGraph)
-
-
 def physical_memory_bytes() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+@functools.cache
 def device_memory_bytes(device_type: str = "CPU") -> int:
     """Memory of the first device of ``device_type``: the GPU allocator's limit, or physical RAM."""
     if device_type.upper() == "GPU":

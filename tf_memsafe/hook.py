@@ -14,8 +14,9 @@ TensorFlow calls :func:`transform` with every ``FuncGraph`` it finishes tracing 
 * keeps a :class:`TraceReport` per traced function for :func:`tf_memsafe.reports`.
 
 Backward functions built later for a tape *outside* the function (TensorFlow's delayed-rewrite
-gradient functions) do not pass through this transform; :data:`BACKWARD_HOOK_STATUS` documents
-that gap until the splitter installs a backward hook.
+gradient functions) do not pass through this transform: they are built from the rewritten forward
+graph but are not rewritten themselves.  The splitter (issue "Splitter", item 6) closes that gap by
+inserting ``tf.custom_gradient`` regions whose backward recomputes slices in its own loop.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ __all__ = ["TraceReport", "install", "uninstall", "is_installed", "reports", "cl
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
 GENERATED_ATTR = "_tf_memsafe_generated"
-BACKWARD_HOOK_STATUS = ("not installed: gradients taken by a tape outside a tf.function are built "
-                        "from the rewritten forward graph but are not themselves rewritten")
 MAX_REPORTS = 1000
 
 
