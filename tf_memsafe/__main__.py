@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import tf_memsafe
 from tf_memsafe import hook
 from tf_memsafe.hook import TraceReport
-from tf_memsafe.report import format_records
-from tf_memsafe.units import ACCEPTED_FORMS, format_bytes, parse_memory_limit
+from tf_memsafe.report import align_columns, format_records
+from tf_memsafe.units import format_bytes, parse_memory_limit
 
 PROG = "python -m tf_memsafe"
 
@@ -39,8 +39,8 @@ class _Parser(argparse.ArgumentParser):
 def _memory_limit(text: str) -> str:
     try:
         parse_memory_limit(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid memory limit {text!r}: expected {ACCEPTED_FORMS}") from None
+    except ValueError as e:  # its message names the accepted forms
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
@@ -103,12 +103,11 @@ def _summary(traces: Sequence[TraceReport], explain: bool) -> str:
         else:
             detail = t.reason
         limit = f"limit {format_bytes(t.memory_limit_bytes)}" if t.memory_limit_bytes is not None else "-"
-        rows.append((t, t.function_name, t.status, limit, detail))
-    widths = [max(len(row[i]) for row in rows) for i in (1, 2, 3)]
-    for t, *cells in rows:
-        lines.append(("  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths)) + "  " + cells[3]).rstrip())
+        rows.append((t.function_name, t.status, limit, detail))
+    for t, line in zip(traces, align_columns(rows)):
+        lines.append("  " + line)
         if explain and t.pipeline is not None:
-            lines += ["      " + line for line in format_records(t.records)]
+            lines += ["      " + record_line for record_line in format_records(t.records)]
     return "\n".join(lines)
 
 
@@ -138,8 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tf_memsafe.enable(args.memory_limit, disabled_passes=args.disable_pass, strict=args.strict)
     except (tf_memsafe.TfMemsafeError, ValueError, TypeError) as e:
         parser.exit(1, f"{PROG}: error: {e}\n")
-    earlier = hook.reports()
-    seen = {id(r) for r in earlier}
+    mark = hook.report_mark()
     sys.argv[:] = target + target_args
     try:
         if args.script:
@@ -148,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             runpy.run_module(args.module, run_name="__main__", alter_sys=True)
     finally:
-        traces = [r for r in hook.reports() if id(r) not in seen]
+        traces = hook.reports_since(mark)
         sys.stdout.flush()
         print(_summary(traces, args.explain), file=sys.stderr, flush=True)
 

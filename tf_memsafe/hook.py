@@ -33,6 +33,7 @@ from tf_memsafe import _tf_internals, config
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "reports", "clear_reports",
+           "report_mark", "reports_since", "limit_bytes",
            "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
@@ -70,7 +71,9 @@ class TraceReport:
 _lock = threading.Lock()
 _installed = False
 _local = threading.local()
-_reports: collections.deque[TraceReport] = collections.deque(maxlen=MAX_REPORTS)
+# (sequence number, report): the numbers let callers ask for "reports since" across the bounded buffer.
+_reports: collections.deque[tuple[int, TraceReport]] = collections.deque(maxlen=MAX_REPORTS)
+_next_seq = 0
 _pipeline_override: list[Pipeline] = []
 _default_pipeline: Pipeline | None = None
 
@@ -110,30 +113,37 @@ def suspended() -> Iterator[None]:
         _local.depth -= 1
 
 
-def _device_type(graph) -> str:
-    """``"GPU"`` when a GPU is visible and the graph is not pinned to the CPU, else ``"CPU"``."""
+def _device_type(graph=None) -> str:
+    """``"GPU"`` when a GPU is visible and ``graph`` (if given) is not pinned to the CPU, else ``"CPU"``."""
     import tensorflow as tf
 
     if not tf.config.list_logical_devices("GPU"):
         return "CPU"
+    if graph is None:
+        return "GPU"
     devices = {op.device.upper() for op in graph.get_operations() if op.device}
     if devices and all("CPU" in d for d in devices):
         return "CPU"
     return "GPU"
 
 
+def limit_bytes(opts: config.Options, graph=None) -> int:
+    """``opts``' limit in bytes for the device ``graph`` runs on (GPU when one is visible, else CPU)."""
+    if opts.memory_limit_bytes is not None:
+        return opts.memory_limit_bytes
+    return opts.resolve_memory_limit_bytes(_tf_internals.device_memory_bytes(_device_type(graph)))
+
+
 def _resolved_options(graph) -> config.Options:
     opts = config.current()
-    if opts.memory_limit_bytes is None:
-        device_bytes = _tf_internals.device_memory_bytes(_device_type(graph))
-        opts = dataclasses.replace(opts, memory_limit_bytes=opts.resolve_memory_limit_bytes(device_bytes),
-                                   memory_limit_fraction=None)
-    return opts
+    return dataclasses.replace(opts, memory_limit_bytes=limit_bytes(opts, graph), memory_limit_fraction=None)
 
 
 def _report(report: TraceReport) -> None:
+    global _next_seq
     with _lock:
-        _reports.append(report)
+        _reports.append((_next_seq, report))
+        _next_seq += 1
 
 
 def transform(graph) -> None:
@@ -195,7 +205,19 @@ def is_installed() -> bool:
 def reports() -> list[TraceReport]:
     """Reports of the functions traced while enabled, oldest first (at most :data:`MAX_REPORTS`)."""
     with _lock:
-        return list(_reports)
+        return [r for _, r in _reports]
+
+
+def report_mark() -> int:
+    """A mark for :func:`reports_since`: the sequence number the next report will get."""
+    with _lock:
+        return _next_seq
+
+
+def reports_since(mark: int) -> list[TraceReport]:
+    """Reports made after :func:`report_mark` returned ``mark`` (those still in the bounded buffer)."""
+    with _lock:
+        return [r for seq, r in _reports if seq >= mark]
 
 
 def clear_reports() -> None:

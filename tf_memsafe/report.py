@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from grappler_ext.pass_base import Record
-from tf_memsafe import _tf_internals, config, hook
+from tf_memsafe import config, hook
 from tf_memsafe.memory import _fresh_function, memory_footprint
 from tf_memsafe.units import format_bytes
 
@@ -126,8 +126,14 @@ def format_records(records: Sequence[Record]) -> list[str]:
         return ["(no pass records)"]
     rows = [("pass", "action", "bytes before -> after", "ops", "reason")]
     rows += [(r.pass_name, r.action, _format_record_bytes(r), _format_ops(r.ops), r.reason) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return ["  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[4]]).rstrip() for row in rows]
+    return align_columns(rows)
+
+
+def align_columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as lines: every column but the last padded to its widest cell, two spaces
+    between columns, no trailing spaces."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join([*(cell.ljust(w) for cell, w in zip(row, widths)), row[-1]]).rstrip() for row in rows]
 
 
 def _function_name(fn) -> str:
@@ -155,16 +161,6 @@ def _hook_active() -> Iterator[None]:
             hook.uninstall()
 
 
-def _resolved_limit_bytes(opts: config.Options) -> int:
-    """The limit in bytes for the device a function would run on (the hook's rule, without a graph)."""
-    if opts.memory_limit_bytes is not None:
-        return opts.memory_limit_bytes
-    import tensorflow as tf
-
-    device = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    return opts.resolve_memory_limit_bytes(_tf_internals.device_memory_bytes(device))
-
-
 def explain(fn, *args, **kwargs) -> Report:
     """Measure ``fn`` on these arguments before and after tf_memsafe's rewrites, and say why.
 
@@ -181,12 +177,10 @@ def explain(fn, *args, **kwargs) -> Report:
     """
     _fresh_function(fn)  # reject a non-callable before compiling anything
     before = memory_footprint(fn, *args, rewrite=False, **kwargs)
-    earlier = hook.reports()  # kept alive, so their ids cannot be reused by new reports
-    seen = {id(r) for r in earlier}
+    mark = hook.report_mark()
     with _hook_active():
         after = memory_footprint(fn, *args, rewrite=True, **kwargs)
-    # Identity, not length: the report buffer is bounded and drops its oldest entries.
-    traces = [r for r in hook.reports() if id(r) not in seen]
+    traces = hook.reports_since(mark)
     records = tuple(rec for t in traces for rec in t.records)
     # The function's own trace comes first; functions it calls may add more.
     failed = [t for t in traces if t.status == "failed"]
@@ -200,5 +194,5 @@ def explain(fn, *args, **kwargs) -> Report:
         status, reason = "skipped", "the hook saw no trace of the function"
     limit = next((t.memory_limit_bytes for t in traces if t.memory_limit_bytes is not None), None)
     if limit is None:
-        limit = _resolved_limit_bytes(config.current())
+        limit = hook.limit_bytes(config.current())
     return Report(_function_name(fn), limit, before, after, status, reason, records)

@@ -21,11 +21,15 @@ def op_of_type(graph, op_type):
     return op
 
 
+def exp_of_sin():
+    """The graph of exp(sin(x)) over f32[3], and its Sin output."""
+    g = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3])).graph
+    return g, op_of_type(g, "Sin").outputs[0]
+
+
 class TestReplaceUses:
     def test_moves_consumers_but_not_the_new_tensors_own_inputs(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         with graph_edit.building(g, "test"):
             doubled = sin * 2.0           # reads sin: must keep reading it
         moved = graph_edit.replace_uses(sin, doubled)
@@ -45,9 +49,7 @@ class TestReplaceUses:
         assert tf.nest.flatten(g.structured_outputs)[0] is new
 
     def test_dtype_mismatch_raises_before_any_change(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         with graph_edit.building(g, "test"):
             wrong = tf.cast(sin, tf.float64)
         with pytest.raises(EditError, match="float64"):
@@ -55,18 +57,14 @@ class TestReplaceUses:
         assert op_of_type(g, "Exp").inputs[0] is sin
 
     def test_shape_mismatch_raises(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         with graph_edit.building(g, "test"):
             wrong = tf.concat([sin, sin], 0)
         with pytest.raises(EditError, match="shape"):
             graph_edit.replace_uses(sin, wrong)
 
     def test_unknown_shape_cannot_replace_known(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         with graph_edit.building(g, "test"):
             unknown = tf.raw_ops.Placeholder(dtype=tf.float32, shape=None)
         with pytest.raises(EditError):
@@ -75,9 +73,7 @@ class TestReplaceUses:
 
 class TestJournal:
     def test_undo_restores_inputs_and_outputs(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         out = g.outputs[0]
         journal = Journal()
         with journaled(journal):
@@ -94,9 +90,7 @@ class TestJournal:
         assert tf.nest.flatten(g.structured_outputs)[0] is out
 
     def test_edits_outside_a_journal_are_not_recorded(self):
-        cf = trace(lambda x: tf.exp(tf.sin(x)), tf.TensorSpec([3]))
-        g = cf.graph
-        sin = op_of_type(g, "Sin").outputs[0]
+        g, sin = exp_of_sin()
         journal = Journal()
         with journaled(journal):
             pass
