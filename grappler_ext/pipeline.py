@@ -139,7 +139,9 @@ class Pipeline:
                 if not changed:
                     break
             else:
-                result.reached_fixed_point = not active or options.max_fixed_point_iterations == 1
+                # Every iteration changed the graph.  With a cap of 1 ("run once") that is the request,
+                # not a missed fixed point.
+                result.reached_fixed_point = options.max_fixed_point_iterations == 1
         return result
 
     @staticmethod
