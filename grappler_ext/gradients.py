@@ -14,9 +14,12 @@ rewrites the forward can
    (:func:`rebuild`); the old backward ops, and with them the old forward tensors, become dead.
 
 The rewritten forward's own gradients (the splitter's ``custom_gradient`` loops) then compute the
-backward slice by slice.  A record whose results are not plain dense tensors (``IndexedSlices``
-from embedding lookups, ``None`` for unconnected sources is fine) cannot be rebuilt; such a
-function keeps its backward as traced (:func:`rebuildable` says so first, before any edit).
+backward slice by slice.  A result may be a dense tensor, ``None`` (an unconnected source) or
+``IndexedSlices`` (an embedding lookup's gradient, which Keras' optimizers apply as a sparse
+update): the new slices replace the old component by component (values, indices, dense shape),
+so the sparse update reads them unchanged.  Anything else (a ``RaggedTensor``...) cannot be
+rebuilt; such a function keeps its backward as traced (:func:`rebuildable` says so first, before
+any edit).
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ class GradientRecord:
     results: list
 
 
+def _components(r) -> list:
+    """The graph tensors a result is made of (an ``IndexedSlices``' values, indices, dense shape)."""
+    if isinstance(r, tf.IndexedSlices):
+        return [r.values, r.indices] + ([r.dense_shape] if r.dense_shape is not None else [])
+    return [r] if isinstance(r, tf.Tensor) else []
+
+
 def records(graph) -> list[GradientRecord]:
     return list(getattr(graph, GRADIENTS_ATTR, ()) or ())
 
@@ -75,7 +85,7 @@ def backward_ops(graph) -> set[tf.Operation]:
     ancestors of what was differentiated (targets, sources, output gradients)."""
     out: set[tf.Operation] = set()
     for record in records(graph):
-        results = [r for r in record.results if _in_graph(r)]
+        results = [t for r in record.results for t in _components(r) if _in_graph(t)]
         if not results:
             continue
         upstream = [g for g in record.output_gradients or [] if _in_graph(g)]
@@ -88,7 +98,7 @@ def rebuildable(graph) -> tuple[bool, str]:
     """Whether every record can be differentiated again (and why not)."""
     for record in records(graph):
         for r in record.results:
-            if r is not None and not isinstance(r, tf.Tensor):
+            if r is not None and not isinstance(r, (tf.Tensor, tf.IndexedSlices)):
                 return False, f"a gradient inside the function is a {type(r).__name__}, which cannot be rebuilt"
         if any(not isinstance(t, tf.Tensor) for t in record.targets):
             return False, "a gradient inside the function has a target that is not a tensor"
@@ -110,7 +120,7 @@ def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
     touched = set(touched)
     done = 0
     for record in records(graph):
-        results = [r for r in record.results if isinstance(r, tf.Tensor)]
+        results = [t for r in record.results for t in _components(r)]
         if not results:
             continue
         backward = graph_edit.ancestors(results)
@@ -119,10 +129,25 @@ def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
         with graph_edit.building(graph, scope):
             new = tf.gradients(record.targets, record.sources, grad_ys=record.output_gradients,
                                unconnected_gradients=record.unconnected)
+            # Each new result takes the old one's form: slices where the old was slices (a dense
+            # gradient of an embedding is the slices' scatter, which the old readers did not read).
+            new = [_like(old, fresh) for old, fresh in zip(record.results, new)]
         for i, (old, fresh) in enumerate(zip(record.results, new)):
-            if isinstance(old, tf.Tensor) and fresh is not None:
-                fresh = tf.convert_to_tensor(fresh)
-                graph_edit.replace_uses(old, fresh)
-                record.results[i] = fresh
+            if fresh is None or old is None:
+                continue
+            for o, f in zip(_components(old), _components(fresh)):
+                graph_edit.replace_uses(o, f)
+            record.results[i] = fresh
         done += 1
     return done
+
+
+def _like(old, fresh):
+    """``fresh`` in the form of ``old``: a dense tensor, or ``IndexedSlices`` with the same components."""
+    if fresh is None or old is None:
+        return fresh
+    if isinstance(old, tf.IndexedSlices):
+        if not isinstance(fresh, tf.IndexedSlices):   # the lookup is upstream of every split: never seen
+            raise TypeError("an embedding's gradient was IndexedSlices and is dense after the rewrite")
+        return fresh
+    return tf.convert_to_tensor(fresh)

@@ -524,6 +524,15 @@ def _softmax(op, output_index, axis):
     return Propagation((axis,), (axis,))
 
 
+# xent(logits, labels)[i][s:s+c] = xent(logits[s:s+c], labels[s:s+c])[i]    the loss [B] and its
+# backprop [B, C] alike, along the batch only: the classes are normalised over.
+@rule("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits")
+def _cross_entropy(op, output_index, axis):
+    if op.outputs[output_index].shape.rank - 1 == axis and output_index == 1:
+        return Refusal(f"`{op.type}` normalises over axis {axis}, the split axis")
+    return Propagation((0, 0), (0, 0))
+
+
 # top_k(x, k)[i][.., s:s+c, :] = top_k(x[.., s:s+c, :], k)[i]    values and indices alike; not the
 # last axis, which it selects along
 @rule("TopKV2")

@@ -55,7 +55,7 @@ from tensorflow.python.framework import tensor_util
 
 from grappler_ext import combiners, gradients, graph_edit, memory_model, split_rules
 from grappler_ext.chunk_plan import ChunkPlan, plan_chunks
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import SKIPPED, GraphPass, PassResult
 from grappler_ext.pipeline import register_pass
 from grappler_ext.split_loop import Region, build_split
 from grappler_ext.verifier import live_ops, topological_order
@@ -66,6 +66,10 @@ __all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR"]
 # workloads): a slice's modelled bytes are divided by this before planning.  The fixed part
 # (parameters, outputs, the combined result) is known exactly and gets no margin.
 SAFETY_MARGIN = 0.7
+# XLA packs every temporary of a program into one pool, with gaps where lifetimes interleave: the
+# pool measured up to 1.3x the bytes live at its peak (an attention training step's loops).  The
+# limit less the parameters is planned at this fraction.
+POOL_MARGIN = 0.8
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
 _REDUCTIONS = frozenset(combiners.REDUCTION_COMBINERS)
@@ -112,13 +116,10 @@ class _Option:
     requests: tuple = ()
     absorbed: tuple = ()
 
-    def describe(self, region_ops=()) -> str:
+    def describe(self) -> str:
         """One line: the op the region ends in, the combiner and the split axis."""
         split = ", ".join(f"input {i} axis {a}" for i, a in enumerate(self.input_axes) if a is not None)
-        shown = self.root
-        if shown.type in _PASS_THROUGH and region_ops:      # name what is computed, not the output's Identity
-            shown = next((o for o in reversed(region_ops) if o.type not in _PASS_THROUGH), shown)
-        return f"`{shown.type}` {self.kind} over {split}"
+        return f"`{_computed(self.root).type}` {self.kind} over {split}"
 
 
 def _root_options(root: tf.Operation) -> list[_Option]:
@@ -208,7 +209,7 @@ def _grow(options: list[_Option], graph_outputs: set, order_index: dict,
                 length = dim
             elif dim != length:
                 return f"`{op.name}` has length {dim} along the split axis, not {length}"
-        reason = _outside_reason(op, wanted, whole, included | ignored, graph_outputs)
+        reason = _outside_reason(op, wanted, whole, included | ignored, graph_outputs, order_index)
         prop = None
         if reason is None:
             k0, axes0 = next(iter(wanted.items()))
@@ -230,6 +231,13 @@ def _grow(options: list[_Option], graph_outputs: set, order_index: dict,
             request(t, a)
     if length is None:
         return "no input of the root carries the split axis"
+    if len(options) > 1:
+        # Roots split together must not read each other's results (logsumexp's Sum reads the
+        # whole row max): the loop would need what it computes.
+        upstream = graph_edit.ancestors([t for op in included for t in op.inputs])
+        needed = [o.root for o in options if o.root in upstream]
+        if needed:
+            return f"the roots read each other's results (`{needed[0].name}`)"
     ops = sorted(included - roots, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
                     whole_inputs=whole, length=length, root_partial=None)
@@ -237,8 +245,9 @@ def _grow(options: list[_Option], graph_outputs: set, order_index: dict,
     return _Grown(region, included, [r for _, r in stops])
 
 
-def _outside_reason(op, wanted, whole, included, graph_outputs) -> str | None:
-    """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``."""
+def _outside_reason(op, wanted, whole, included, graph_outputs, live) -> str | None:
+    """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``.  Readers
+    not in ``live`` (dead ops: a tape's gradient for a constant divisor) do not count."""
     kind = split_rules.leaf_kind(op)
     if kind is not None:
         article = "an" if kind[0] in "aeiou" else "a"
@@ -250,7 +259,7 @@ def _outside_reason(op, wanted, whole, included, graph_outputs) -> str | None:
     for o in op.outputs:
         if o.ref() in graph_outputs:
             return f"`{op.name}` is an output of the function"
-        if any(c not in included and not _static_shape_reader(c) for c in o.consumers()):
+        if any(c not in included and c in live and not _static_shape_reader(c) for c in o.consumers()):
             return f"`{op.name}` is also read outside the region"
     return None
 
@@ -291,19 +300,23 @@ class Splitter(GraphPass):
         est, info = memory_model.analyse(graph)
         if est.dynamic_tensors:
             shown = ", ".join(f"`{n}`" for n in est.dynamic_tensors[:3])
-            result.skip([], f"dynamic shapes ({shown}{', ...' if len(est.dynamic_tensors) > 3 else ''}): left "
-                            "alone; give the tf.function an input_signature with static shapes to split it")
-            return result
-        if est.peak_bytes is not None and est.peak_bytes <= limit:
+            shown = f"dynamic shapes ({shown}{', ...' if len(est.dynamic_tensors) > 3 else ''})"
+            if _floor(est, info) <= limit:
+                result.skip([], f"{shown}: left alone; give the tf.function an input_signature with static "
+                                "shapes to split it")
+                return result
+            # A static tensor over the limit on its own terms (attention scores beside the
+            # dynamic-size sparse update of an embedding) is split; the dynamic ops stay as they are.
+            result.skip([], f"{shown}: left as they are; the static tensors over the limit are split")
+        elif est.peak_bytes is not None and est.peak_bytes <= limit:
             result.skip([], f"already within the limit: about {est.peak_bytes:,} B of {limit:,} B "
                             "(memory model)")
             return result
-        if est.peak_bytes is None:
+        if est.peak_bytes is None and not est.dynamic_tensors:
             # No estimate (an op without a byte rule): split only what is over the limit on its own
             # terms -- the parameters, the outputs and the largest tensor together -- never a
             # program that may well fit.
-            biggest = max((i.bytes for i in info.values() if i.materialised and i.bytes), default=0)
-            floor = est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
+            floor = _floor(est, info)
             if floor <= limit:
                 ours = all(graph_edit.is_generated(name) for name in est.unknown_ops)
                 why = "its loops are already split" if ours and est.unknown_ops else \
@@ -340,9 +353,19 @@ class Splitter(GraphPass):
                                          backward)
             if outcome is not None:
                 done |= outcome
+                if _fits_now(graph, result, limit):
+                    break
+        # A tensor no root of its own could split may still have been split by a later, larger
+        # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
+        done_names = {op.name for op in done}
+        result.records = [r for r in result.records if not (
+            r.action == SKIPPED and r.ops and r.reason.startswith("cannot split") and set(r.ops) <= done_names)]
         failed = [r for r in result.records if r.reason.startswith("cannot split") or "best effort" in r.reason]
         worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
         needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
+        if worst is not None and needed is not None and needed > limit and result.changed \
+                and _fits_now(graph, result, limit):
+            worst = None       # what was split took the rest with it
         if worst is not None and needed is not None and needed > limit:
             how = "needs about" if est.peak_bytes is not None else "needs at least"
             what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == "skipped"
@@ -371,7 +394,7 @@ class Splitter(GraphPass):
                 if grown.stops:
                     reasons.append(grown.stops[0])
                 continue
-            planned = self._plan(options, grown, info, est, budget)
+            planned = self._plan(options, grown, info, est, budget, bool(backward))
             if isinstance(planned, str):
                 reasons.append(planned)
                 continue
@@ -410,8 +433,8 @@ class Splitter(GraphPass):
         rebuilt = gradients.rebuild(graph, self.name, grown.included) if backward else 0
         region_bytes = sum(info[o.name].bytes or 0 for op in grown.included for o in op.outputs
                            if info.get(o.name) and info[o.name].materialised)
-        described = options[0].describe(grown.region.ops) + "".join(
-            f" and `{o.root.type}` {o.kind}" for o in options[1:])
+        described = options[0].describe() + "".join(
+            f" and `{_computed(o.root).type}` {o.kind}" for o in options[1:])
         result.rewrote(roots + grown.region.ops,
                        f"{described}: {plan.steps} x {plan.chunk}"
                        + (f" + {plan.tail}" if plan.tail else "") + f" of {plan.length}"
@@ -420,15 +443,19 @@ class Splitter(GraphPass):
                        bytes_before=region_bytes, bytes_after=plan.predicted_bytes)
         return grown.included
 
-    def _plan(self, options, grown, info, est, budget) -> tuple[ChunkPlan, int, str] | str:
+    def _plan(self, options, grown, info, est, budget, differentiated) -> tuple[ChunkPlan, int, str] | str:
         """The forward plan, the backward's chunk and a best-effort note, or why no split helps."""
         region = grown.region
         length = region.length
         folded = {o.root for o in options if o.kind != "concat"}  # roots whose outputs do not scale
+        # Kernels' scratch (XLA's blocked triangular solve keeps about one more copy of its
+        # right-hand side) scales with the slice like the outputs do.
+        scratch = {b.name.removesuffix(" (scratch)"): b.bytes for b in est.buffers if b.kind == "scratch"}
         per_unit = 0.0
         for op in grown.included:
             if op in folded:
                 continue
+            per_unit += scratch.get(op.name, 0) / length
             for o in op.outputs:
                 i = info.get(o.name)
                 if i is not None and i.materialised and i.bytes:
@@ -451,6 +478,7 @@ class Splitter(GraphPass):
         # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
         # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
         per_unit /= SAFETY_MARGIN
+        budget = est.parameter_bytes + max(0, budget - est.parameter_bytes) * POOL_MARGIN
         plan = plan_chunks(length, per_unit, fixed, budget)
         best_effort = ""
         if not plan:
@@ -475,6 +503,10 @@ class Splitter(GraphPass):
         backward = plan_chunks(length, per_unit * BACKWARD_COST_FACTOR, fixed_backward, budget)
         backward_chunk = _at_least(backward.chunk if backward else max(1, chunk // int(BACKWARD_COST_FACTOR)),
                                    length, k) or chunk
+        if differentiated and not backward and not best_effort:
+            # The gradients inside the function run this backward: say the step cannot fit.
+            best_effort = (f"best effort, the limit cannot be met by the backward ({fixed_backward:,} B stay "
+                           "while it runs: the region's inputs and their gradients)")
         return plan, min(backward_chunk, chunk), best_effort
 
     def _build(self, options, region, plan, backward_chunk):
@@ -551,6 +583,27 @@ class Splitter(GraphPass):
         return partial, combiner, specs, combiner.differentiable
 
 
+def _fits_now(graph, result: PassResult, limit: int) -> bool:
+    """Whether the program as rewritten so far fits: by its loops' plans and the largest tensor
+    left outside them (one more analysis; a loop is not modelled, so this is its floor)."""
+    after, info = memory_model.analyse(graph)
+    planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
+    return max(planned, after.peak_bytes if after.peak_bytes is not None else _floor(after, info)) <= limit
+
+
+def _floor(est, info) -> int:
+    """Parameters, constants, outputs and the largest materialised tensor: what no loop removes."""
+    biggest = max((i.bytes for i in info.values() if i.materialised and i.bytes), default=0)
+    return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
+
+
+def _computed(op: tf.Operation) -> tf.Operation:
+    """The op that computes what ``op`` passes on (an output's ``Identity``), for the reports."""
+    while op.type in _PASS_THROUGH and op.inputs:
+        op = op.inputs[0].op
+    return op
+
+
 def _at_least(chunk: int, length: int, k: int) -> int | None:
     """``chunk`` or the next smaller size whose slices (the remainder too) hold at least ``k``."""
     while chunk > k and 0 < length % chunk < k:
@@ -567,11 +620,14 @@ def _spec_with(t: tf.Tensor, axis, chunk: int) -> tf.TensorSpec:
 
 def _forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs: set,
                    ignored: frozenset) -> list[_Option] | str:
-    """The roots that reduce ``axis`` of ``tensor``, following the readers that keep it.
+    """The roots that end the split of ``axis`` of ``tensor``, following the readers that keep it.
 
-    Every reader of ``tensor`` (and of what carries its axis on) must either keep the axis (it
-    then joins the region) or reduce it as a root (``Sum``, a ``MatMul`` contracting it, ...);
-    anything else, or reaching an output of the function, makes this way fail (with the reason).
+    Every reader of ``tensor`` (and of what carries its axis on) either keeps the axis (it then
+    joins the region) or reduces it as a root (``Sum``, a ``MatMul`` contracting it, ...).  A
+    tensor downstream that carries the axis and is an output of the function, or is read by an op
+    that neither keeps nor reduces the axis, ends the region there: its op is a concatenating root
+    (SGPR's predictive mean and variance over the test points, each [N_test, ...]) and all its
+    readers read the joined result.  Only ``tensor`` itself cannot end so (with the reason).
     """
     roots: dict = {}
     seen: dict = {}
@@ -583,9 +639,10 @@ def _forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_output
                 return f"`{t.op.name}` would be split along two axes"
             continue
         seen[t.ref()] = a
+        found, pushed, stop = {}, [], None
         if t.ref() in graph_outputs:
-            return f"`{t.op.name}` is an output of the function"
-        for reader in set(t.consumers()):
+            stop = f"`{t.op.name}` is an output of the function"
+        for reader in set(t.consumers()) if stop is None else ():
             if reader not in order_index or reader in ignored or _static_shape_reader(reader):
                 continue
             slots = [j for j, x in enumerate(reader.inputs) if x is t]
@@ -593,8 +650,9 @@ def _forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_output
                         if o.kind != "concat" and all(o.input_axes[j] == a for j in slots)]
             if reducing:
                 if reader in roots and roots[reader].input_axes != reducing[0].input_axes:
-                    return f"`{reader.name}` reduces along two axes"
-                roots[reader] = reducing[0]
+                    stop = f"`{reader.name}` reduces along two axes"
+                    break
+                found[reader] = reducing[0]
                 continue
             kept = None
             for b in range(reader.outputs[0].shape.rank or 0) if reader.outputs else ():
@@ -603,8 +661,19 @@ def _forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_output
                     kept = prop
                     break
             if kept is None:
-                return f"`{reader.name}` ({reader.type}) neither keeps nor reduces axis {a} of `{t.op.name}`"
-            stack.extend((o, b) for o, b in zip(reader.outputs, kept.output_axes) if b is not None)
+                stop = f"`{reader.name}` ({reader.type}) neither keeps nor reduces axis {a} of `{t.op.name}`"
+                break
+            pushed.extend((o, b) for o, b in zip(reader.outputs, kept.output_axes) if b is not None)
+        if stop is None:
+            roots.update(found)
+            stack.extend(pushed)
+            continue
+        ends = [o for o in _root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == a]
+        if t is tensor or not ends:
+            return stop
+        if t.op in roots and roots[t.op].output_axes != ends[0].output_axes:
+            return f"`{t.op.name}` would be joined along two axes"
+        roots[t.op] = ends[0]
     return sorted(roots.values(), key=lambda o: order_index[o.root])
 
 

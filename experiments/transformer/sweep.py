@@ -307,7 +307,7 @@ def _source_state() -> str:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "tf_memsafe", "grappler_ext"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+                               capture_output=True, text=True, check=True).stdout.rstrip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" + uncommitted changes in " + ", ".join(sorted({ln[3:] for ln in dirty.splitlines()}))

@@ -261,6 +261,16 @@ case("ArgMin", lambda x: tf.argmin(x, axis=-1, output_type=I32), [_data([3, 4, 5
 for _t in ("Softmax", "LogSoftmax"):
     case(_t, lambda x, t=_t: _raw(t, x), [_data([3, 4, 5], F32)], refused={2: f"`{_t}` normalises over axis 2"})
 for _k in (0, 1):
+    case("SparseSoftmaxCrossEntropyWithLogits",
+         lambda x, y, k=_k: _raw("SparseSoftmaxCrossEntropyWithLogits", x, y)[k],
+         [_data([6, 5], F32), _data([6], I32, low=0, high=5)], output_index=_k,
+         refused={1: "`SparseSoftmaxCrossEntropyWithLogits` normalises over axis 1"} if _k else {},
+         id=f"SparseSoftmaxCrossEntropyWithLogits-output{_k}")
+    case("SoftmaxCrossEntropyWithLogits",
+         lambda x, y, k=_k: _raw("SoftmaxCrossEntropyWithLogits", x, y)[k],
+         [_data([6, 5], F64), _data([6, 5], F64, seed=1, low=0.0, high=1.0)], output_index=_k,
+         refused={1: "`SoftmaxCrossEntropyWithLogits` normalises over axis 1"} if _k else {},
+         id=f"SoftmaxCrossEntropyWithLogits-output{_k}")
     case("TopKV2", lambda x, k=_k: tf.math.top_k(x, 2)[k], [_data([3, 4, 6], F32)], output_index=_k,
          refused={2: "`TopKV2` selects along axis 2"}, id=f"TopKV2-output{_k}")
 for _t, _fn in (("Cumsum", tf.math.cumsum), ("Cumprod", tf.math.cumprod),

@@ -161,9 +161,15 @@ class TestKernelMatvecGradients:
         assert after.forward <= LIMIT and after.backward <= LIMIT
 
 
-def test_two_readers_reducing_the_same_axis_share_one_loop():
+def test_two_readers_reducing_the_same_axis_share_one_loop(monkeypatch):
     """K [N, M] read by a column sum and by K^T w, both reducing N: one loop, two sum combiners
-    (SGPR's A A^T and A err have this shape).  N = 4000, M = 3000 f64: K is 96 MB."""
+    (SGPR's A A^T and A err have this shape).  N = 4000, M = 3000 f64: K is 96 MB.  (Only
+    reductions are offered: slices of M, each result joined, would do as well here.)"""
+    import grappler_ext.splitter as splitter_module
+
+    offered = splitter_module._root_options
+    monkeypatch.setattr(splitter_module, "_root_options",
+                        lambda root: [o for o in offered(root) if o.kind != "concat"])
     x, y = points(4000, 3, tf.float64), points(3000, 3, tf.float64, seed=1)
     w = points(4000, 2, tf.float64, seed=2)
 
@@ -191,9 +197,49 @@ def test_two_readers_reducing_the_same_axis_share_one_loop():
     assert after <= LIMIT
 
 
-def test_max_and_min_over_the_split_axis_with_ties_and_gradients():
+
+def test_outputs_that_keep_the_split_axis_end_one_shared_loop():
+    """A GP's predictive mean and variance at N test points, as GPflow computes them: T = L^-1 K(Z, X)
+    is [M, N] (M = 200, N = 20000 f64: 32 MB) and is read by the mean T^T c and by the variance
+    1 - sum(T^2, 0), both [N, ...] outputs.  Neither reduces N, so no single root can take T; one
+    loop over slices of the test points computes both, each joined along N."""
+    z, x = points(200, 3, tf.float64), points(20000, 3, tf.float64, seed=1)
+    c = points(200, 1, tf.float64, seed=2)
+
+    def predict(z, x, c):
+        kzz = tf.exp(-sq_dist(z, z)) + 1e-6 * tf.eye(200, dtype=tf.float64)
+        t = tf.linalg.triangular_solve(tf.linalg.cholesky(kzz), tf.exp(-sq_dist(z, x)), lower=True)  # [M, N]
+        return tf.matmul(t, c, transpose_a=True), 1.0 - tf.reduce_sum(tf.square(t), 0)            # [N, 1], [N]
+
+    def grads():
+        f = tf.function(predict, jit_compile=True)
+        with tf.GradientTape() as tape:
+            tape.watch([z, x, c])
+            mean, var = f(z, x, c)
+            loss = tf.reduce_sum(tf.sin(mean)) + tf.reduce_sum(var**2)
+        return (mean, var), tape.gradient(loss, [z, x, c])
+
+    expected, expected_grads = grads()
+    tf_memsafe.enable(4 * 10**6, strict=True)
+    with splitter_only():
+        got, got_grads = grads()
+        after = tf_memsafe.memory_footprint(predict, z, x, c)
+    reasons = {r.reason.split(":")[0] for r in rewrites()}
+    assert reasons == {"`MatMul` concat over input 0 axis 0 and `Sub` concat"}, reasons
+    assert all((r.bytes_before or 0) < 10**6 for r in skips())   # only [M, M] Kzz, too small to split
+    for g, e in zip(got + tuple(got_grads), expected + tuple(expected_grads)):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12 * np.abs(e).max())
+    assert after <= 4 * 10**6 < tf_memsafe.memory_footprint(predict, z, x, c, rewrite=False)
+
+def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
     """Column max and min of a [3000, 2000] f64 matrix (48 MB) whose entries tie often (rounded
-    inputs): the split keeps the tie counts, so each tied element gets dy / T as unsplit."""
+    inputs): the split keeps the tie counts, so each tied element gets dy / T as unsplit.  (Only
+    the row split is offered: slices of the columns, joined, would need no tie counts.)"""
+    import grappler_ext.splitter as splitter_module
+
+    offered = splitter_module._root_options
+    monkeypatch.setattr(splitter_module, "_root_options",
+                        lambda root: [o for o in offered(root) if o.kind != "concat"])
     x = tf.constant(np.round(np.random.default_rng(0).standard_normal((3000, 3)), 1))
     y = tf.constant(np.round(np.random.default_rng(1).standard_normal((2000, 3)), 1))
 
