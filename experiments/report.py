@@ -1,0 +1,473 @@
+"""Every experiment in one command, then a one-page Markdown summary of their results.
+
+    python -m experiments.report [--quick] [--out experiments/results] [--only NAME ...] [--skip NAME ...]
+        [--summary-only]
+
+Runs the experiments of :data:`EXPERIMENTS` in turn, in this process, each through its own
+``main(["--out", OUT] + ["--quick"])`` (each stays runnable alone: ``python -m experiments.knn``,
+...), then writes ``OUT/SUMMARY.md``: the machine, then per experiment what it measures, a table of
+its key numbers read from its JSON file, and its plot.  The summary covers every experiment whose
+results are in OUT, not only those run now; one without results gets "not run: <command>".
+
+An experiment that raises or returns non-zero is reported in the summary with the error's last
+line (the traceback goes to stderr), the others still run, and the report exits with 1; so it
+does when a JSON file cannot be summarised.  An experiment whose module does not exist yet
+(``experiments.sgpr`` while it is being written) is recorded as missing, not as a failure.
+``--summary-only`` runs nothing and rebuilds SUMMARY.md from the JSON files in OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import tensorflow as tf
+
+import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
+from experiments import _methods as m
+from tf_memsafe import hook
+
+DEFAULT_OUT = os.path.join("experiments", "results")
+
+
+# ---------------------------------------------------------------- Markdown
+
+
+def md_table(head: list[str], body: list[list]) -> list[str]:
+    """A Markdown table (and a blank line); columns of numbers (every cell a number or "-") right-aligned."""
+    body = [[str(c).replace("|", "\\|") for c in row] for row in body]
+
+    def numeric(column: list[str]) -> bool:
+        starts = [c.lstrip("*")[:1] for c in column if c]
+        return any(s.isdigit() for s in starts) and all(s.isdigit() or s == "-" for s in starts)
+
+    rule = ["---:" if numeric([row[i] for row in body]) else "---" for i in range(len(head))]
+    return ["| " + " | ".join(row) + " |" for row in (head, rule, *body)] + [""]
+
+
+def first_clause(text: str, width: int = 80) -> str:
+    """The first ``; ``-separated part of a note, cut to ``width`` characters."""
+    part = text.split("; ")[0]
+    return part if len(part) <= width else part[:width - 3] + "..."
+
+
+def seconds(s: float | None) -> str:
+    return f"{s:.3g} s" if s is not None else "not run"
+
+
+def footprint(row) -> str:
+    """A row's XLA footprint, marked when it is over the row's limit."""
+    if row is None:
+        return "-"
+    return m.fmt_bytes(row.footprint_bytes) + (" (over)" if row.within_limit is False else "")
+
+
+def mark(value: float | None, ok: bool | None, spec: str = ".2f") -> str:
+    """``value`` formatted, in bold where it misses its target (``ok`` False)."""
+    text = m.num(value, spec)
+    return f"**{text}**" if ok is False else text
+
+
+# ---------------------------------------------------------------- per-experiment summaries (JSON -> Markdown lines)
+
+
+def throughput_lines(data: dict, module, key: str, rate: str, check: str, worst: Callable, check_spec: str,
+                     setting: str) -> list[str]:
+    """kNN and kernel matvec: per size, each method's rate and footprint, and tf_memsafe's speed ratios."""
+    rows = [module.Row(**r) for r in data["rows"]]
+    ratios, reach = module.summary(rows)   # _methods.speed_summary
+    target = data.get("targets", {}).get("tf_memsafe_vs_hand_min", module.TARGET_SPEED)
+    by = {(getattr(r, key), r.data, r.d, r.n, r.method): r for r in rows if r.method in m.METHODS}
+
+    def rate_cell(r) -> str:
+        if r is None:
+            return "-"
+        if getattr(r, rate) is not None:
+            return m.num(getattr(r, rate), ",.0f")
+        why = r.skipped.split(":")[0].split(" (")[0]
+        return "-" if not why or why == "not selected" else f"- ({why})"
+
+    body = []
+    for s in ratios:
+        size = (s[key], s["data"], s["d"], s["n"])
+        found = {meth: by.get((*size, meth)) for meth in m.METHODS}
+        if not any(found.values()):
+            continue
+        body.append([size[0], size[1], size[2], m.fmt_n(size[3]), *(rate_cell(found[meth]) for meth in m.METHODS),
+                     *(footprint(found[meth]) for meth in m.TF_METHODS),
+                     mark(s["tf_memsafe_vs_hand"], s["target_met"]), m.num(s["tf_memsafe_vs_keops"], ".2f")])
+    compared = [s["target_met"] for s in ratios if s["target_met"] is not None]
+    checks = [getattr(r, check) for r in rows if getattr(r, check) is not None]
+    label = rate.replace("_per_s", "/s")
+    lines = [f"{setting}; limit {m.fmt_bytes(data.get('limit_bytes'))}. {label} of each method (\"- (why)\": not "
+             f"run), XLA footprints of the TF methods (\"over\": above the limit), tf_memsafe's {label} over the "
+             f"hand-written loop's (target >= {target}, bold: missed) and over KeOps'.", "",
+             *md_table([key, "data", "d", "n", *m.METHODS, *(f"{meth} bytes" for meth in m.TF_METHODS),
+                        "tfms/hand", "tfms/keops"], body),
+             f"tf_memsafe >= {target} x the hand-written loop at {sum(compared)} of {len(compared)} sizes where both "
+             f"ran; {check} against NumPy, worst of {len(checks)} results checked: "
+             f"{m.num(worst(checks) if checks else None, check_spec)}.", ""]
+    reach_body = []
+    for config in dict.fromkeys((x[key], x["data"], x["d"]) for x in reach):
+        mine = {x["method"]: x for x in reach if (x[key], x["data"], x["d"]) == config}
+        if not any(x["largest_n_run"] or x["largest_n_fits"] for x in mine.values()):
+            continue
+        cells = [m.fmt_n(mine[meth]["largest_n_run"]) if mine[meth]["largest_n_run"] else "-" for meth in m.METHODS]
+        for i, meth in enumerate(m.METHODS):
+            if meth in m.TF_METHODS:
+                fits = mine[meth]["largest_n_fits"]
+                cells[i] += " / " + (m.fmt_n(fits) if fits else "-")
+        reach_body.append([*config, *cells])
+    lines += ["Largest n run within the limit / largest n whose XLA footprint fits it (compiled only):", "",
+              *md_table([key, "data", "d", *m.METHODS], reach_body)]
+    # Rows of no method: a whole data set left out (MNIST without its files), once per metric or kernel.
+    notes = [f"- {note}" for note in dict.fromkeys(r.skipped for r in rows if r.method not in m.METHODS)]
+    return lines + notes + ([""] if notes else [])
+
+
+def knn_lines(data: dict) -> list[str]:
+    from experiments import knn
+
+    return throughput_lines(data, knn, "metric", "queries_per_s", "recall", min, ".3f",
+                            f"{data.get('queries')} queries, k = {data.get('k')}")
+
+
+def kernel_matvec_lines(data: dict) -> list[str]:
+    from experiments import kernel_matvec
+
+    return throughput_lines(data, kernel_matvec, "kernel", "rows_per_s", "rel_err", max, ".1e",
+                            f"{data.get('result_rows')} rows, v with {data.get('columns')} column(s)")
+
+
+def overhead_lines(data: dict) -> list[str]:
+    from experiments import overhead
+
+    rows = [overhead.Row(**r) for r in data["rows"]]
+    targets = data.get("targets", {})
+    most, least = targets.get("ratio_vs_naive_max", overhead.TARGET_OVERHEAD), targets.get(
+        "speed_vs_hand_min", overhead.TARGET_SPEED)
+    body, seen = [], set()
+    for r in rows:
+        first = r.workload not in seen
+        seen.add(r.workload)
+        body.append([r.workload if first else "", r.size if first else "", r.case, m.fmt_bytes(r.naive_bytes),
+                     m.fmt_bytes(r.rewritten_bytes), m.fmt_bytes(r.limit_bytes), "yes" if r.within_limit else "**NO**",
+                     r.rewrites, mark(r.ratio_vs_naive, None if r.case != "fits" or r.ratio_vs_naive is None
+                                      else r.ratio_vs_naive <= most),
+                     mark(r.speed_vs_hand, None if r.speed_vs_hand is None else r.speed_vs_hand >= least),
+                     first_clause(r.note)])
+    return [f"Medians of {data.get('repeats', '?')} interleaved runs. Targets: tf_memsafe / naive time <= {most} "
+            f"where the program fits (case `fits`: limit = 2 x its footprint); hand-written / tf_memsafe speed >= "
+            f"{least} beyond the limit (bold: missed).", "",
+            *md_table(["workload", "size", "case", "naive", "tf_memsafe", "limit", "within", "rewrites",
+                       "time tfms/naive", "speed hand/tfms", "note"], body)]
+
+
+def bench_rewrites_lines(data: dict) -> list[str]:
+    from experiments import bench_rewrites
+
+    rows = [bench_rewrites.Row(**r) for r in data["rows"]]
+    body = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        by = {r.config: r for r in rows if r.workload == workload}
+        off, on = by.get("off"), by.get("all")
+        fired = [config.split(":", 1)[1] for config, r in by.items() if config.startswith("only:") and r.rewrites]
+        shrink = f"{off.footprint_bytes / on.footprint_bytes:.3g}x" if off and on and on.footprint_bytes else "-"
+        body.append([workload, next(iter(by.values())).note, m.fmt_bytes(off.footprint_bytes if off else None),
+                     m.fmt_bytes(on.footprint_bytes if on else None), shrink,
+                     f"{seconds(off.seconds if off else None)} -> {seconds(on.seconds if on else None)}",
+                     ", ".join(fired) or "none"])
+    return ["XLA footprint before (every pass off) and after (every pass on), median time of a run (\"not run\": "
+            "over the run limit), and the passes that rewrite the program when each runs alone.", "",
+            *md_table(["workload", "size", "before", "after", "before/after", "time before -> after",
+                       "passes that fire"], body)]
+
+
+def transformer_lines(data: dict) -> list[str]:
+    from experiments.transformer import sweep
+
+    rows = [sweep.Row(**r) for r in data["rows"]]
+    model = data.get("model", {})
+    cap = data.get("max_run_length")
+    lines = [f"Preset `{data.get('preset')}`: {model.get('num_layers')} layer(s), d_model {model.get('d_model')}, "
+             f"{model.get('num_heads')} heads, batch {data.get('batch')}, {data.get('data')}, dropout "
+             f"{data.get('dropout')}; limit {m.fmt_bytes(data.get('limit_bytes'))}"
+             + (f", run up to L = {cap}" if cap else "") + f"; sources {data.get('source', 'not recorded')}.", "",
+             "Longest L within the limit by XLA's footprint (longest that ran):", ""]
+    longest = sweep.longest(rows)
+    body = []
+    for mode in dict.fromkeys(r.mode for r in rows):
+        cells = [f"{longest[f'{mode}/{v}']['within_limit'] or '-'} (ran {longest[f'{mode}/{v}']['ran'] or '-'})"
+                 for v in sweep.VARIANTS]
+        ratio = longest[f"{mode}/ratio"]
+        body.append([mode, *cells, f"{ratio:.3g}x" if ratio else "-"])
+    lines += md_table(["mode", *sweep.VARIANTS, "tf_memsafe / naive"], body)
+    by = {(r.mode, r.length, r.variant): r for r in rows}
+    body = []
+    for mode, length in dict.fromkeys((r.mode, r.length) for r in rows):
+        naive, tfms = by.get((mode, length, "naive")), by.get((mode, length, "tf_memsafe"))
+        body.append([mode, length, footprint(naive), footprint(tfms), tfms.splits if tfms else "-",
+                     seconds(naive.seconds) if naive else "-", seconds(tfms.seconds) if tfms else "-",
+                     m.num(tfms.err_vs_naive if tfms else None, ".1e"), first_clause(tfms.note) if tfms else ""])
+    lines += md_table(["mode", "L", "naive", "tf_memsafe", "splits", "naive s/step", "tf_memsafe s/step",
+                       "err vs naive", "tf_memsafe note"], body)
+    return lines
+
+
+# Until experiments/sgpr.py's Row is settled: these columns, in this order, where its rows have them.
+SGPR_COLUMNS = ("method", "variant", "n", "m", "d", "footprint_bytes", "within_limit", "seconds", "elbo", "rmse",
+                "nlpd", "skipped", "note")
+
+
+def sgpr_lines(data: dict) -> list[str]:
+    rows = data["rows"]
+    names = {name.lower(): name for r in rows for name in r}
+    columns = [names[c] for c in SGPR_COLUMNS if c in names]
+
+    def cell(name: str, value) -> str:
+        if value is None or value == "":
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "NO"
+        if name.endswith("_bytes"):
+            return m.fmt_bytes(value)
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return first_clause(str(value))
+
+    return ["Footprint, time and fit of each row of `sgpr.json`.", "",
+            *md_table(columns, [[cell(c, r.get(c)) for c in columns] for r in rows])]
+
+
+# ---------------------------------------------------------------- the experiments
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    name: str                                # for --only and --skip
+    title: str                               # the section's heading
+    module: str                              # has main(argv) -> int taking --quick and --out
+    stem: str                                # its results: OUT/<stem>.json and OUT/<stem>.png
+    what: str                                # what it measures, one or two sentences
+    summarise: Callable[[dict], list[str]]   # its JSON (meta and rows) -> Markdown lines
+    quick_stem: str = ""                     # where --quick writes instead, if elsewhere
+
+
+EXPERIMENTS = (
+    Experiment("knn", "kNN", "experiments.knn", "knn",
+               "Brute-force k-nearest neighbours written the naive way (the full [queries, n] distance matrix, then "
+               "`top_k`) for L2, L1 and cosine distances: XLA as written (`naive`), the same code under tf_memsafe's "
+               "limit, a hand-written chunked `tf.while_loop`, KeOps, and NumPy (the exact reference for recall).",
+               knn_lines),
+    Experiment("kernel_matvec", "Kernel matvec", "experiments.kernel_matvec", "kernel_matvec",
+               "Kernel matrix-vector products K(x, y) v (Gaussian, Matern-3/2) written the naive way (the full "
+               "[rows, n] kernel matrix, then a matmul) by the same five methods as kNN; NumPy in float64 is the "
+               "reference for the relative error.", kernel_matvec_lines),
+    Experiment("overhead", "Overhead", "experiments.overhead", "overhead",
+               "The splitter's cost: where the naive program fits, tf_memsafe must leave it alone at no cost in time; "
+               "at 1/10 and 1/100 of its footprint, tf_memsafe's loop is timed against a hand-written "
+               "`tf.while_loop` over the same chunks.", overhead_lines),
+    Experiment("bench_rewrites", "Rewrites benchmark", "experiments.bench_rewrites", "bench_rewrites",
+               "Each match-and-replace pass alone, all of them, and none: XLA's footprint and the run time of a "
+               "naive kNN (d = 3 and 64) and of GPflow's SGPR loss, with its own kernel and with a naively written "
+               "one.", bench_rewrites_lines),
+    Experiment("sgpr", "SGPR", "experiments.sgpr", "sgpr",
+               "GPflow's SGPR, unchanged, without and with tf_memsafe: XLA's footprint and the time per number of "
+               "data N and inducing points M, and the quality of the fit (ELBO, RMSE, NLPD).", sgpr_lines),
+    Experiment("transformer", "Transformer", "experiments.transformer.sweep", "transformer_sweep",
+               "The Transformer of TensorFlow's translation tutorial, unchanged, over sequence lengths L: XLA's "
+               "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "
+               "limit, the longest L within it, and the time per step where it ran.", transformer_lines,
+               quick_stem="transformer_sweep_quick"),
+)
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str                  # "ok", "failed" or "missing" (no such module)
+    detail: str = ""             # the error's last line, or why missing
+    started: float = 0.0         # time.time() at the start
+    seconds: float | None = None
+
+
+def missing_module(exp: Experiment, e: ModuleNotFoundError) -> bool:
+    """Whether ``e`` says the experiment's own module (or its package) does not exist, not one it imports."""
+    return e.name is not None and (exp.module == e.name or exp.module.startswith(e.name + "."))
+
+
+def run(exp: Experiment, out: str, quick: bool) -> Outcome:
+    """``exp``'s ``main`` with ``--out`` and ``--quick``; tf_memsafe is left disabled afterwards, whatever happened."""
+    started = time.time()
+    try:
+        module = importlib.import_module(exp.module)
+    except ModuleNotFoundError as e:
+        if missing_module(exp, e):
+            return Outcome("missing", f"module {exp.module} does not exist", started)
+        return failed(exp, e, started)
+    except Exception as e:  # noqa: BLE001 -- an experiment that cannot be imported is its failure, reported
+        return failed(exp, e, started)
+    try:
+        code = module.main(["--out", out, *(["--quick"] if quick else [])])
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- one experiment's failure must not stop the others
+        return failed(exp, e, started)
+    finally:
+        tf_memsafe.disable()   # overhead and bench_rewrites leave it enabled; each experiment starts afresh
+        hook.clear_reports()
+    if code:
+        return Outcome("failed", f"{exp.module} failed: main returned {code}", started, time.time() - started)
+    return Outcome("ok", "", started, time.time() - started)
+
+
+def failed(exp: Experiment, e: BaseException, started: float) -> Outcome:
+    from tqdm import tqdm
+
+    tqdm.write("".join(traceback.format_exception(e)), file=sys.stderr)
+    return Outcome("failed", m.failure(exp.module, e), started, time.time() - started)
+
+
+# ---------------------------------------------------------------- the summary
+
+
+def results_path(exp: Experiment, out: str, quick: bool) -> str | None:
+    """``exp``'s JSON file in ``out`` (for the Transformer, the quick run's first with ``--quick``), or ``None``."""
+    stems = [exp.stem, exp.quick_stem] if exp.quick_stem else [exp.stem]
+    for stem in (reversed(stems) if quick else stems):
+        path = os.path.join(out, stem + ".json")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def command(exp: Experiment, out: str, quick: bool) -> str:
+    return " ".join(["python -m", exp.module, *(["--quick"] if quick else []),
+                     *(["--out", out] if os.path.normpath(out) != DEFAULT_OUT else [])])
+
+
+def machine_line() -> str:
+    here = m.machine()
+    gpus = [d.name for d in tf.config.list_physical_devices("GPU")]
+    return (f"This report was written with TensorFlow {here['tensorflow']}, {here['cpus']} CPUs, "
+            f"{', '.join(gpus) if gpus else 'no GPU'}, KeOps {here['keops']}; {platform.platform()}, "
+            f"Python {platform.python_version()}.")
+
+
+def recorded(data: dict | None) -> tuple[str, str]:
+    """(the machine, the kind of run) as the JSON's meta records them."""
+    if data is None:
+        return "-", "-"
+    shown = (("tensorflow", "TensorFlow {}"), ("cpus", "{} CPUs"), ("keops", "KeOps {}"), ("source", "sources {}"))
+    machine = ", ".join(text.format(data[key]) for key, text in shown if key in data)
+    kind = "not recorded" if "quick" not in data else ("quick" if data["quick"] else "full")
+    return machine or "not recorded", kind
+
+
+def section(exp: Experiment, path: str | None, data: dict | None, outcome: Outcome | None, out: str,
+            quick: bool) -> tuple[list[str], str]:
+    """``exp``'s Markdown section and the problem summarising it ("" if none)."""
+    lines, problem = [f"## {exp.title}", "", exp.what, ""], ""
+    if outcome is not None and outcome.status == "failed":
+        lines += [f"**This run failed**: {outcome.detail}"
+                  + (" (the results below are from an earlier run)"
+                     if path and os.path.getmtime(path) < outcome.started else ""), ""]
+    if data is None:
+        exists = importlib.util.find_spec(exp.module) is not None
+        return lines + [f"not run: `{command(exp, out, quick)}`"
+                        + ("" if exists else f" (module {exp.module} does not exist yet)"), ""], problem
+    try:
+        lines += exp.summarise(data)
+    except Exception as e:  # noqa: BLE001 -- a JSON file this report cannot read is reported, not fatal
+        problem = m.failure(f"summarising {os.path.basename(path)}", e)
+        lines += [f"**Could not summarise** `{os.path.basename(path)}`: {problem}", ""]
+    png = os.path.splitext(path)[0] + ".png"
+    if os.path.exists(png):
+        lines += [f"![{exp.title}]({os.path.basename(png)})", ""]
+    return lines, problem
+
+
+def summary(out: str, quick: bool, outcomes: dict[str, Outcome]) -> tuple[str, list[str]]:
+    """SUMMARY.md's text for the results in ``out``, and the problems met reading them."""
+    found: dict[str, tuple[str | None, dict | None]] = {}
+    problems: list[str] = []
+    for exp in EXPERIMENTS:
+        path = results_path(exp, out, quick)
+        data = None
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                problems.append(m.failure(f"reading {path}", e))
+        found[exp.name] = (path, data)
+    head = ["experiment", "results", "run", "recorded with"] + (["this run"] if outcomes else [])
+    body = []
+    for exp in EXPERIMENTS:
+        path, data = found[exp.name]
+        machine, kind = recorded(data)
+        row = [f"[{exp.title}](#{exp.title.lower().replace(' ', '-')})",
+               f"`{os.path.basename(path)}`" if path else "none", kind, machine]
+        if outcomes:
+            o = outcomes.get(exp.name)
+            row.append("-" if o is None else {"ok": f"ran ({o.seconds or 0:.0f} s)", "failed": "**FAILED**",
+                                               "missing": "module missing"}[o.status])
+        body.append(row)
+    lines = ["# tf_memsafe experiments", "",
+             "Written by `python -m experiments.report` from the JSON files beside it (each experiment's CSV, JSON "
+             "and plot are here too; `--summary-only` rebuilds this page without running anything). Timings are of "
+             "the machine that ran them.", "", "## Machine", "", machine_line(), "",
+             *md_table(head, body)]
+    for exp in EXPERIMENTS:
+        text, problem = section(exp, *found[exp.name], outcomes.get(exp.name), out, quick)
+        lines += text
+        problems += [problem] if problem else []
+    return "\n".join(lines).rstrip() + "\n", problems
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    names = [e.name for e in EXPERIMENTS]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="pass --quick to every experiment (smoke sizes)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="results folder of every experiment and of SUMMARY.md")
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"run only these: {', '.join(names)}")
+    parser.add_argument("--skip", nargs="+", choices=names, metavar="NAME", default=[], help="do not run these")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="run nothing: rebuild SUMMARY.md from the JSON files in --out")
+    args = parser.parse_args(argv)
+    chosen = [e for e in EXPERIMENTS if (not args.only or e.name in args.only) and e.name not in args.skip]
+    outcomes: dict[str, Outcome] = {}
+    if not args.summary_only:
+        from tqdm import tqdm
+
+        with tqdm(chosen, desc="experiments", unit="experiment") as bar:
+            for exp in bar:
+                bar.set_postfix_str(exp.name)
+                outcomes[exp.name] = run(exp, args.out, args.quick)
+    text, problems = summary(args.out, args.quick, outcomes)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "SUMMARY.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    for name, o in outcomes.items():
+        print(f"{name:15} {o.status}" + (f" ({o.seconds:.0f} s)" if o.status == "ok" else f": {o.detail}"))
+    for problem in problems:
+        print(problem)
+    print(f"summary written to {path}")
+    return 1 if problems or any(o.status == "failed" for o in outcomes.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

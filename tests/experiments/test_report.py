@@ -1,0 +1,160 @@
+"""experiments/report.py: SUMMARY.md from fabricated results, a failing experiment, and one real quick run.
+
+The fabricated results are rows of each script's own ``Row`` dataclass written by its own writer
+(``_results.write_outputs``), so that a renamed field breaks these tests rather than the summary.
+"""
+
+import dataclasses
+import json
+
+import pytest
+
+import tf_memsafe
+from experiments import _results, bench_rewrites, kernel_matvec, knn, overhead, report
+from experiments.transformer import sweep
+
+PLACEHOLDER = {"int": 1, "float": 0.5, "bool": True, "str": ""}
+
+
+def row(row_type, **values):
+    """A ``row_type`` with every field a placeholder of its annotated type, and ``values`` over them."""
+    fields = {f.name: PLACEHOLDER[f.type.split(" | ")[0]] for f in dataclasses.fields(row_type)}
+    assert set(values) <= set(fields), set(values) - set(fields)
+    return row_type(**{**fields, **values})
+
+
+def knn_rows() -> list:
+    """l2, d = 3 at n = 1000 (everything runs but KeOps) and n = 4000 (naive over the run limit), and MNIST absent."""
+    rows = []
+    for n, qps in ((1000, {"naive": 1000.0, "tf_memsafe": 800.0, "hand": 1000.0, "numpy": 50.0}),
+                   (4000, {"tf_memsafe": 300.0, "hand": 300.0, "numpy": 10.0})):
+        for meth in ("naive", "tf_memsafe", "hand", "keops", "numpy"):
+            tf_method = meth in ("naive", "tf_memsafe", "hand")
+            over = meth == "naive" and n == 4000
+            skipped = ("pykeops unavailable: ImportError: no" if meth == "keops" else
+                       "memory: footprint 4.66 GiB > --run-limit 1 GiB" if over else "")
+            rows.append(row(knn.Row, method=meth, metric="l2", data="uniform", d=3, n=n, queries=300, k=10,
+                            limit_bytes=2_000_000, footprint_bytes=(5 * 10**9 if over else 1_500_000) if tf_method
+                            else None, within_limit=(not over) if tf_method else None, queries_per_s=qps.get(meth),
+                            recall=1.0 if meth in qps else None, skipped=skipped))
+    rows.append(row(knn.Row, method="all", metric="l2", data="mnist", d=784, n=0, skipped="mnist: no prepared files"))
+    return rows
+
+
+def overhead_rows() -> list:
+    return [row(overhead.Row, workload="knn", case="fits", size="N = M = 4000", limit_bytes=2 * 64 * 2**20,
+                naive_bytes=64 * 2**20, rewritten_bytes=64 * 2**20, within_limit=True, rewrites=0,
+                ratio_vs_naive=1.5, speed_vs_hand=None),
+            row(overhead.Row, workload="knn", case="limit/10", size="N = M = 4000", limit_bytes=64 * 2**20 // 10,
+                naive_bytes=64 * 2**20, rewritten_bytes=4 * 2**20, within_limit=True, rewrites=1,
+                ratio_vs_naive=0.7, speed_vs_hand=0.9, note="a note; more")]
+
+
+def write_overhead(out) -> None:
+    _results.write_outputs(overhead_rows(), overhead.Row, str(out / "overhead"), {"repeats": 2, "quick": True})
+
+
+@pytest.fixture
+def results(tmp_path):
+    """A results folder with every experiment but kernel matvec and SGPR, and a (fake) kNN plot."""
+    _results.write_outputs(knn_rows(), knn.Row, str(tmp_path / "knn"),
+                           {"tensorflow": "2.21.0", "cpus": 2, "quick": False, "limit_bytes": 2_000_000,
+                            "queries": 300, "k": 10})
+    (tmp_path / "knn.png").write_bytes(b"not really a png")
+    write_overhead(tmp_path)
+    bench = [row(bench_rewrites.Row, workload="knn_d64", config=config, footprint_bytes=size, seconds=s,
+                 rewrites=fired, note="n = m = 2000, d = 64")
+             for config, size, s, fired in (("off", 2**30, None, 0), ("all", 2**24, 0.02, 1),
+                                            ("only:pairwise_distance", 2**24, 0.02, 1),
+                                            ("only:splitter", 2**30, None, 0))]
+    _results.write_outputs(bench, bench_rewrites.Row, str(tmp_path / "bench_rewrites"), {"tensorflow": "2.21.0"})
+    sweep_rows = [row(sweep.Row, preset="quick", mode="forward", variant=variant, length=length, limit_bytes=8_000_000,
+                      footprint_bytes=size, within_limit=size <= 8_000_000, ran=size <= 8_000_000,
+                      seconds=0.01 if size <= 8_000_000 else None, err_vs_naive=None, splits=int(variant != "naive"),
+                      note="")
+                  for length, variant, size in ((256, "naive", 3_000_000), (256, "tf_memsafe", 3_000_000),
+                                                (1024, "naive", 36_000_000), (1024, "tf_memsafe", 6_500_000))]
+    _results.write_outputs(sweep_rows, sweep.Row, str(tmp_path / "transformer_sweep"),
+                           {"preset": "quick", "quick": True, "limit_bytes": 8_000_000, "batch": 1,
+                            "model": {"num_layers": 1, "d_model": 32, "num_heads": 2}})
+    return tmp_path
+
+
+def test_summary_only_builds_every_section_from_the_json_files(results):
+    assert report.main(["--summary-only", "--out", str(results)]) == 0
+    text = (results / "SUMMARY.md").read_text()
+    assert text.startswith("# tf_memsafe experiments") and "## Machine" in text
+    assert [line[3:] for line in text.splitlines() if line.startswith("## ")] == [
+        "Machine", *(e.title for e in report.EXPERIMENTS)]
+    # kNN: queries/s per method (KeOps with why it did not run), footprints, tf_memsafe over hand in bold (< 0.95).
+    assert "| l2 | uniform | 3 | 1e3 | 1,000 | 800 | 1,000 | - (pykeops unavailable) | 50 |" in text
+    assert "| **0.80** | - |" in text and "4.66 GiB (over)" in text and "- mnist: no prepared files" in text
+    assert "tf_memsafe >= 0.95 x the hand-written loop at 1 of 2 sizes" in text and "![kNN](knn.png)" in text
+    # Overhead: the time ratio where the program fits misses its target; the note's first clause.
+    assert "| knn | N = M = 4000 | fits | 64 MiB | 64 MiB | 128 MiB | yes | 0 | **1.50** | - |  |" in text
+    assert "| **0.90** | a note |" in text
+    # Rewrites benchmark: before and after, and the pass that fired.
+    assert "| knn_d64 | n = m = 2000, d = 64 | 1 GiB | 16 MiB | 64x | not run -> 0.02 s | pairwise_distance |" in text
+    # Transformer: the longest L within the limit per variant.
+    assert "| forward | 256 (ran 256) | 1024 (ran 1024) | 4x |" in text and "34.3 MiB (over)" in text
+    # Missing results: the command that makes them.
+    assert f"not run: `python -m experiments.kernel_matvec --out {results}`" in text
+    assert f"not run: `python -m experiments.sgpr --out {results}`" in text
+    assert "| [Kernel matvec](#kernel-matvec) | none | - | - |" in text
+    assert "| [Overhead](#overhead) | `overhead.json` | quick | not recorded |" in text
+
+
+def test_a_json_file_that_cannot_be_summarised_is_reported(tmp_path):
+    (tmp_path / "knn.json").write_text(json.dumps({"rows": [{"renamed_field": 1}]}))
+    assert report.main(["--summary-only", "--out", str(tmp_path)]) == 1
+    assert "**Could not summarise** `knn.json`: summarising knn.json failed: TypeError: " in (
+        tmp_path / "SUMMARY.md").read_text()
+
+
+def test_sgpr_rows_are_tabled_by_the_columns_they_have():
+    data = {"rows": [{"method": method, "N": 20000, "M": 200, "footprint_bytes": size, "seconds": 1.25,
+                      "elbo": -12.5, "rmse": 0.1, "nlpd": -0.5, "other": "x"}
+                     for method, size in (("naive", 2**28), ("tf_memsafe", 2**24))]}
+    lines = report.sgpr_lines(data)
+    assert "| method | N | M | footprint_bytes | seconds | elbo | rmse | nlpd |" in lines
+    assert "| tf_memsafe | 20000 | 200 | 16 MiB | 1.25 | -12.5 | 0.1 | -0.5 |" in lines
+
+
+def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    def raises(argv):
+        raise RuntimeError("a long message\nits last line")
+
+    def writes_results(argv):
+        tf_memsafe.enable("1TB")   # left enabled, as overhead.main does: the report disables it
+        write_overhead(tmp_path)
+        return 0
+
+    monkeypatch.setattr(knn, "main", raises)
+    monkeypatch.setattr(kernel_matvec, "main", lambda argv: 3)
+    monkeypatch.setattr(overhead, "main", writes_results)
+    # An experiment whose module does not exist (yet) is missing, not failed.
+    monkeypatch.setattr(report, "EXPERIMENTS", tuple(
+        dataclasses.replace(e, module="experiments.no_such_experiment") if e.name == "sgpr" else e
+        for e in report.EXPERIMENTS))
+    assert report.main(["--only", "sgpr", "--out", str(tmp_path)]) == 0
+    assert "| [SGPR](#sgpr) | none | - | - | module missing |" in (tmp_path / "SUMMARY.md").read_text()
+
+    assert report.main(["--skip", "bench_rewrites", "transformer", "--out", str(tmp_path)]) == 1
+    assert not tf_memsafe.is_enabled()
+    text = (tmp_path / "SUMMARY.md").read_text()
+    assert "**This run failed**: experiments.knn failed: RuntimeError: its last line" in text
+    assert "**This run failed**: experiments.kernel_matvec failed: main returned 3" in text
+    assert "| knn | N = M = 4000 | fits |" in text and "| [Overhead](#overhead) | `overhead.json` | quick | " \
+        "not recorded | ran (0 s) |" in text
+    assert "(module experiments.no_such_experiment does not exist yet)" in text
+    assert "| [Transformer](#transformer) | none | - | - | - |" in text   # not chosen: not run now
+
+
+def test_quick_run_of_one_experiment(tmp_path):
+    assert report.main(["--quick", "--only", "overhead", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "overhead.json").exists()
+    text = (tmp_path / "SUMMARY.md").read_text()
+    assert "| [Overhead](#overhead) | `overhead.json` | quick |" in text and "![Overhead](overhead.png)" in text
+    for case in ("fits", "limit/10", "limit/100"):
+        assert f"| {case} |" in text
+    assert f"not run: `python -m experiments.knn --quick --out {tmp_path}`" in text
