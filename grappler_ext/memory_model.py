@@ -500,6 +500,20 @@ _register("PadV2", Rule(Kind.LOOP, static_inputs=(1,)))
 _register("Tile BroadcastTo ReverseV2", Rule(Kind.LOOP, static_inputs=(1,)))
 _register("GatherV2", Rule(Kind.LOOP, static_inputs=(2,)))
 _register("Gather", Rule(Kind.LOOP))
+# An embedding lookup reads the variable's buffer in place, like GatherV2 of a variable's read.
+_register("ResourceGather", Rule(Kind.LOOP, static_inputs=(0,)))
+# A sparse update (Keras' optimizers on an embedding's IndexedSlices): the scatter writes into the
+# variable's buffer, as a dense update does.  Unique and the segment sum that merge repeated rows
+# are kernels (their sizes are dynamic: the model's estimate of such a program is a lower bound).
+_register("ResourceScatterAdd ResourceScatterSub ResourceScatterUpdate ResourceScatterMul ResourceScatterDiv "
+          "ResourceScatterMax ResourceScatterMin", Rule(Kind.LOOP, static_inputs=(0,)))
+_register("Unique", Rule(Kind.LIBRARY))
+# A TensorArray written in a loop (the splitter's concatenating combiner): XLA allocates the stacked
+# buffer, which the stack reads out as its output; the reserve itself holds nothing yet.
+_register("TensorListReserve", Rule(Kind.STATIC, static_inputs=(0, 1)))
+_register("TensorListStack", Rule(Kind.LIBRARY, static_inputs=(1,)))
+_register("UnsortedSegmentSum UnsortedSegmentMax UnsortedSegmentMin UnsortedSegmentProd",
+          Rule(Kind.LIBRARY, static_inputs=(2,)))
 # Diagonals (``tf.eye``, ``tf.linalg.diag_part``, ``set_diag``, ``band_part``): iota, compare and
 # select in XLA, so loop ops like the rest.
 _register("MatrixDiagV3", Rule(Kind.LOOP, static_inputs=(1, 2, 3, 4)))
@@ -529,6 +543,10 @@ _register("TopKV2", Rule(Kind.LIBRARY, static_inputs=(1,)))
 # ``q k^T / 8`` live together (measured: 8.4 MB of temporaries for [4, 512, 512] scores).
 _register("Softmax LogSoftmax",
           Rule(Kind.LIBRARY, in_place=True, scratch=_softmax_scratch, recomputes_operand=True))
+# Cross-entropy from logits: a log-softmax of the logits, the loss [B] and its gradient [B, C]
+# (written over the log-softmax); counted like Softmax.
+_register("SparseSoftmaxCrossEntropyWithLogits SoftmaxCrossEntropyWithLogits",
+          Rule(Kind.LIBRARY, scratch=_softmax_scratch, recomputes_operand=True))
 
 
 # --- results ----------------------------------------------------------------------------------

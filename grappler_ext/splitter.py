@@ -293,6 +293,7 @@ class Splitter(GraphPass):
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)
+        self._loop_bytes: dict[str, int] = {}
         limit = options.memory_limit_bytes
         if limit is None:
             result.skip([], "no memory limit in bytes")
@@ -301,13 +302,17 @@ class Splitter(GraphPass):
         if est.dynamic_tensors:
             shown = ", ".join(f"`{n}`" for n in est.dynamic_tensors[:3])
             shown = f"dynamic shapes ({shown}{', ...' if len(est.dynamic_tensors) > 3 else ''})"
-            if _floor(est, info) <= limit:
+            # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
+            at_least = max(_floor(est, info), 0 if est.unknown_ops else
+                           est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
+            if at_least <= limit:
                 result.skip([], f"{shown}: left alone; give the tf.function an input_signature with static "
                                 "shapes to split it")
                 return result
-            # A static tensor over the limit on its own terms (attention scores beside the
-            # dynamic-size sparse update of an embedding) is split; the dynamic ops stay as they are.
-            result.skip([], f"{shown}: left as they are; the static tensors over the limit are split")
+            # Static tensors over the limit (attention scores beside the dynamic-size sparse update
+            # of an embedding) are split; the dynamic ops stay as they are.
+            result.skip([], f"{shown}: left as they are; the rest needs at least {at_least:,} B, so the static "
+                            "tensors over the limit are split")
         elif est.peak_bytes is not None and est.peak_bytes <= limit:
             result.skip([], f"already within the limit: about {est.peak_bytes:,} B of {limit:,} B "
                             "(memory model)")
@@ -353,18 +358,19 @@ class Splitter(GraphPass):
                                          backward)
             if outcome is not None:
                 done |= outcome
-                if _fits_now(graph, result, limit):
+                if _fits_now(graph, result, limit, self._loop_bytes):
                     break
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
         done_names = {op.name for op in done}
         result.records = [r for r in result.records if not (
             r.action == SKIPPED and r.ops and r.reason.startswith("cannot split") and set(r.ops) <= done_names)]
-        failed = [r for r in result.records if r.reason.startswith("cannot split") or "best effort" in r.reason]
+        failed = [r for r in result.records if (r.reason.startswith("cannot split") and "usefully" not in r.reason)
+                  or "best effort" in r.reason]
         worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
         needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
         if worst is not None and needed is not None and needed > limit and result.changed \
-                and _fits_now(graph, result, limit):
+                and _fits_now(graph, result, limit, self._loop_bytes):
             worst = None       # what was split took the rest with it
         if worst is not None and needed is not None and needed > limit:
             how = "needs about" if est.peak_bytes is not None else "needs at least"
@@ -398,17 +404,17 @@ class Splitter(GraphPass):
             if isinstance(planned, str):
                 reasons.append(planned)
                 continue
-            plan, backward_chunk, best_effort = planned
+            plan, backward_chunk, best_effort, per_unit = planned
             # Plans that meet the limit first; then the fewest steps, then the fewest bytes.
             key = (bool(best_effort), plan.steps + (1 if plan.tail else 0), plan.predicted_bytes)
             if best is None or key < best[0]:
-                best = (key, options, grown, plan, backward_chunk, best_effort)
+                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit)
         if best is None:
             why = reasons[0] if reasons else "no op downstream reduces it or has a split rule"
             result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({info[tensor.name].bytes:,} B): {why}",
                         bytes_before=info[tensor.name].bytes)
             return None
-        _, options, grown, plan, backward_chunk, best_effort = best
+        _, options, grown, plan, backward_chunk, best_effort, per_unit = best
         if not plan.splits:
             # The planner's count says the region fits whole, while the program's estimate does not:
             # say so (the run's warning then names it) rather than leave it silently.
@@ -417,6 +423,7 @@ class Splitter(GraphPass):
                         bytes_before=info[tensor.name].bytes)
             return None
         roots = [o.root for o in options]
+        existing = set(graph.get_operations())
         try:
             with graph_edit.building(graph, self.name):
                 outputs = self._build(options, grown.region, plan, backward_chunk)
@@ -430,7 +437,14 @@ class Splitter(GraphPass):
             gradients.retarget(graph, old, new)
         with graph_edit.building(graph, self.name):
             _fold_shape_readers(grown.region.ops)
+        forward_loops = _new_loops(graph, existing)
         rebuilt = gradients.rebuild(graph, self.name, grown.included) if backward else 0
+        # What each loop's body holds, for the memory model's view of the program as rewritten.
+        joined = sum(_nbytes(t) for r in roots for t in r.outputs)      # the result, written as it goes
+        for op in forward_loops:
+            self._loop_bytes[op.name] = int(plan.chunk * per_unit) + joined
+        for op in _new_loops(graph, existing | set(forward_loops)):
+            self._loop_bytes[op.name] = int(backward_chunk * per_unit * BACKWARD_COST_FACTOR)
         region_bytes = sum(info[o.name].bytes or 0 for op in grown.included for o in op.outputs
                            if info.get(o.name) and info[o.name].materialised)
         described = options[0].describe() + "".join(
@@ -443,8 +457,9 @@ class Splitter(GraphPass):
                        bytes_before=region_bytes, bytes_after=plan.predicted_bytes)
         return grown.included
 
-    def _plan(self, options, grown, info, est, budget, differentiated) -> tuple[ChunkPlan, int, str] | str:
-        """The forward plan, the backward's chunk and a best-effort note, or why no split helps."""
+    def _plan(self, options, grown, info, est, budget, differentiated) -> tuple[ChunkPlan, int, str, float] | str:
+        """The forward plan, the backward's chunk, a best-effort note and the bytes a unit of the split
+        axis costs in the loop's body; or why no split helps."""
         region = grown.region
         length = region.length
         folded = {o.root for o in options if o.kind != "concat"}  # roots whose outputs do not scale
@@ -478,6 +493,7 @@ class Splitter(GraphPass):
         # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
         # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
         per_unit /= SAFETY_MARGIN
+        limit = budget
         budget = est.parameter_bytes + max(0, budget - est.parameter_bytes) * POOL_MARGIN
         plan = plan_chunks(length, per_unit, fixed, budget)
         best_effort = ""
@@ -503,11 +519,11 @@ class Splitter(GraphPass):
         backward = plan_chunks(length, per_unit * BACKWARD_COST_FACTOR, fixed_backward, budget)
         backward_chunk = _at_least(backward.chunk if backward else max(1, chunk // int(BACKWARD_COST_FACTOR)),
                                    length, k) or chunk
-        if differentiated and not backward and not best_effort:
+        if differentiated and fixed_backward > limit and not best_effort:
             # The gradients inside the function run this backward: say the step cannot fit.
             best_effort = (f"best effort, the limit cannot be met by the backward ({fixed_backward:,} B stay "
                            "while it runs: the region's inputs and their gradients)")
-        return plan, min(backward_chunk, chunk), best_effort
+        return plan, min(backward_chunk, chunk), best_effort, per_unit
 
     def _build(self, options, region, plan, backward_chunk):
         parts = [self._root_part(o, plan) for o in options]
@@ -583,12 +599,28 @@ class Splitter(GraphPass):
         return partial, combiner, specs, combiner.differentiable
 
 
-def _fits_now(graph, result: PassResult, limit: int) -> bool:
-    """Whether the program as rewritten so far fits: by its loops' plans and the largest tensor
-    left outside them (one more analysis; a loop is not modelled, so this is its floor)."""
-    after, info = memory_model.analyse(graph)
+_LOOP_TYPES = ("While", "StatelessWhile")
+
+
+def _new_loops(graph, existing: set) -> list[tf.Operation]:
+    return [op for op in graph.get_operations() if op.type in _LOOP_TYPES and op not in existing]
+
+
+def _fits_now(graph, result: PassResult, limit: int, loop_bytes: dict) -> bool:
+    """Whether the program as rewritten so far fits, by the memory model with each of the splitter's
+    loops counted as a kernel whose scratch is its body's planned bytes.  Where that cannot be
+    estimated (an op without a rule; the dynamic shapes of a sparse update), the static part must
+    fit (a lower bound) and so must every loop's plan."""
+    def body(op, ctx):
+        return loop_bytes.get(op.name, 0)
+
+    loop = memory_model.Rule(memory_model.Kind.LIBRARY, scratch=body)
+    after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(_LOOP_TYPES, loop)})
     planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
-    return max(planned, after.peak_bytes if after.peak_bytes is not None else _floor(after, info)) <= limit
+    if after.peak_bytes is not None:
+        return after.peak_bytes <= limit
+    known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
+    return max(planned, known, _floor(after, info)) <= limit
 
 
 def _floor(est, info) -> int:

@@ -90,7 +90,8 @@ class Attention:
 
     B = 2 sequences of L = 1024, d = 32, float64: the scores are [2, 1024, 1024] = 16.8 MB, and the
     step holds several such (scores, probabilities, their gradients; measured: 61 MB causal, 53 MB
-    padding).  Limit 4 MB: the splitter computes the attention in slices of the queries.
+    padding).  Limit 5 MB: the splitter computes the attention in slices of the queries (the
+    inputs, q, k, v and their gradients, over 4 MB, stay whole).
 
     ``mask="causal"``: the TensorFlow tutorial's spelling, ``q k^T / sqrt(d)`` plus
     ``-1e9 * (1 - band_part(ones))``.  ``mask="padding"``: Keras's spelling, ``(q / sqrt(d)) k^T``
@@ -98,7 +99,7 @@ class Attention:
     (the second sequence's last quarter is padding).
     """
 
-    limit = 4 * 10**6
+    limit = 5 * 10**6
     B, L, D = 2, 1024, 32
 
     def __init__(self, mask, dtype=tf.float64):

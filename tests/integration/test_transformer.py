@@ -7,8 +7,8 @@ attention), the decoder's self-attention causal.  Each attention's scores are
 [2, 2, 1024, 1024] f32 = 16.8 MB and the forward program as written needs 71 MB; the 12 MB limit is
 below a single score tensor, so nothing fits without splitting the attentions along the queries.
 
-What works is asserted; what tf_memsafe cannot do yet is marked ``xfail(strict=True)`` with the
-reason found in its records (a strict xfail that starts passing fails the run: remove the mark).
+The training step (Adam, tape inside) is split too, under a limit that leaves room for the
+activations every layer keeps for its backward.
 """
 
 import numpy as np
@@ -25,10 +25,10 @@ CONFIG = model.TransformerConfig(num_layers=1, d_model=32, dff=64, num_heads=2, 
                                  input_vocab_size=VOCAB, target_vocab_size=VOCAB, max_length=L)
 
 
-TRAIN_REASON = (
-    "the training step is not split: the Embedding gradients are IndexedSlices, so Adam's sparse update "
-    "has dynamic shapes (`Adam/mul_*`, `Adam/Square_*`) and the splitter leaves the step alone "
-    "('dynamic shapes (...): left alone'); grappler_ext.gradients.rebuildable also refuses IndexedSlices")
+# A training step keeps every layer's activations for the backward (O(L): 18 MB here, measured),
+# which no split of the attentions removes; its limit leaves room for them, and the naive step's
+# [B, H, L, L] scores and their gradients (97 MB measured) do not fit it.
+TRAIN_LIMIT = 32 * 10**6
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def training(batch):
         net = build()
         step = model.train_step(net, keras.optimizers.Adam(1e-3))
         if variant == "tf_memsafe":
-            tf_memsafe.enable(LIMIT)
+            tf_memsafe.enable(TRAIN_LIMIT)
         with xla_flags.dump_all_compiles() as folder:    # XLA's figure for the step it compiles and runs
             losses = [float(step(context, target_in, labels)) for _ in range(2)]
             compiled = [total for name, total in xla_flags.memory_reports(folder) if "step" in name]
@@ -139,10 +139,11 @@ def test_training_step_trains_the_same(training):
     naive, tfms = training["naive"], training["tf_memsafe"]
     np.testing.assert_allclose(tfms["losses"], naive["losses"], rtol=1e-5)
     assert_close(tfms["weights"], naive["weights"])
-    assert naive["bytes"] > 4 * LIMIT
+    assert naive["bytes"] > 3 * TRAIN_LIMIT
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TRAIN_REASON)
 def test_training_step_fits_the_limit(training):
+    """Embedding gradients are IndexedSlices and Adam's sparse update has dynamic shapes: the three
+    attentions are split all the same, their gradients rebuilt, and the whole step fits."""
     tfms = training["tf_memsafe"]
-    assert tfms["splits"] >= 3 and tfms["bytes"] <= LIMIT, (tfms["bytes"], tfms["skips"][:2])
+    assert tfms["splits"] >= 3 and tfms["bytes"] <= TRAIN_LIMIT, (tfms["bytes"], tfms["skips"][:2])
