@@ -105,6 +105,10 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
     ``sliced`` are the slices of the inputs read sliced, in ``external`` order (``None`` where an
     input is only read whole).
     """
+    # The region's ops are read as they are now: a later split may rewire these (dead) ops' inputs
+    # to its own outputs, and this builder runs again when the gradients are rebuilt.
+    op_inputs = {op: list(op.inputs) for op in region.ops}
+
     def build(values, offset, chunk):
         split_env: dict = {}
         whole_env = {t.ref(): v for t, v in zip(external, values)}
@@ -126,7 +130,7 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
             return tf.constant(value, dtype=t.dtype)
 
         for op in region.ops:
-            inputs = [lookup(t, whole=a is None) for t, a in zip(op.inputs, region.input_axes[op])]
+            inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
             for old, new in zip(op.outputs, region.rebuild[op](op, inputs, chunk, offset)):
                 split_env[old.ref()] = new
         return region.root_partial(lookup, chunk, offset), sliced

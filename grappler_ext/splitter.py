@@ -405,8 +405,10 @@ class Splitter(GraphPass):
                 reasons.append(planned)
                 continue
             plan, backward_chunk, best_effort, per_unit = planned
-            # Plans that meet the limit first; then the fewest steps, then the fewest bytes.
-            key = (bool(best_effort), plan.steps + (1 if plan.tail else 0), plan.predicted_bytes)
+            # Plans that meet the limit first, the fewest steps among them; then the fewest bytes
+            # among those that cannot (a best effort is judged by what it leaves).
+            steps = plan.steps + (1 if plan.tail else 0)
+            key = (True, plan.predicted_bytes, steps) if best_effort else (False, steps, plan.predicted_bytes)
             if best is None or key < best[0]:
                 best = (key, options, grown, plan, backward_chunk, best_effort, per_unit)
         if best is None:
@@ -551,16 +553,17 @@ class Splitter(GraphPass):
         """``(partial builder, combiner, partial specs, differentiable)`` for one root."""
         root = option.root
         kind = option.kind
+        root_inputs = list(root.inputs)    # as now: a later split may rewire the (dead) root
         if kind == "concat":
             def concat_partial(lookup, chunk, offset):
-                ins = [lookup(t, whole=a is None) for t, a in zip(root.inputs, option.input_axes)]
+                ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
                 return option.propagation.build(root, ins, chunk, offset)
             specs = [_spec_with(o, a, plan.chunk) for o, a in zip(root.outputs, option.output_axes)]
             return concat_partial, combiners.Concat(option.output_axes), specs, True
 
         extremum = kind in ("max", "min") and root.outputs[0].dtype.is_floating
         if kind == "online_softmax":
-            scores, values = option.requests[0][0], root.inputs[1]
+            scores, values = option.requests[0][0], root_inputs[1]
 
             def softmax_partial(lookup, chunk, offset):
                 v = lookup(values)
@@ -571,7 +574,7 @@ class Splitter(GraphPass):
             return softmax_partial, combiners.OnlineSoftmax(), specs, True
 
         def partial(lookup, chunk, offset):
-            ins = [lookup(t, whole=a is None) for t, a in zip(root.inputs, option.input_axes)]
+            ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
             outs = split_rules.clone_op(root, ins)
             if kind.startswith("arg"):
                 return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
