@@ -144,11 +144,12 @@ def test_embedding_gradients_are_rebuilt_as_slices_and_the_sparse_update_reads_t
     assert after <= LIMIT
 
 
-def test_a_later_split_does_not_break_an_earlier_loops_gradient():
-    """Self-attention with an MSE loss, tape inside, at a limit the planner cannot meet: after the
-    first loop, a second split rewires readers of what it replaces, the first region's (dead) ops
-    among them; the first loop's gradient, built again when the gradients are rebuilt, still reads
-    the tensors it was built on (this raised a KeyError once)."""
+def test_attention_mse_step_at_a_limit_that_cannot_be_met():
+    """Self-attention with an MSE loss, tape inside, at a limit the planner cannot meet: split as far
+    as useful, the gradients rebuilt and equal.  (Found by experiments/overhead.py: it once raised a
+    KeyError when a second split rewired the first region's dead ops, which the first loop's
+    gradient reads again when the gradients are rebuilt; split_loop now keeps each op's inputs
+    as they were when the loop was built.)"""
     rng = np.random.default_rng(3)
     x, target = (tf.constant(rng.standard_normal((1000, 64)), tf.float32) for _ in range(2))
     weights = [tf.Variable(rng.standard_normal((64, 64)) / 8, dtype=tf.float32) for _ in range(3)]
