@@ -226,29 +226,30 @@ def transformer_lines(data: dict) -> list[str]:
     return lines
 
 
-# Until experiments/sgpr.py's Row is settled: these columns, in this order, where its rows have them.
-SGPR_COLUMNS = ("method", "variant", "n", "m", "d", "footprint_bytes", "within_limit", "seconds", "elbo", "rmse",
-                "nlpd", "skipped", "note")
-
-
 def sgpr_lines(data: dict) -> list[str]:
-    rows = data["rows"]
-    names = {name.lower(): name for r in rows for name in r}
-    columns = [names[c] for c in SGPR_COLUMNS if c in names]
+    from experiments import sgpr
 
-    def cell(name: str, value) -> str:
-        if value is None or value == "":
-            return "-"
-        if isinstance(value, bool):
-            return "yes" if value else "NO"
-        if name.endswith("_bytes"):
-            return m.fmt_bytes(value)
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return first_clause(str(value))
+    rows = [sgpr.Row(**r) for r in data["rows"]]
+    body = []
+    for r in rows:
+        naive = m.fmt_bytes(r.naive_bytes) + (" (model)" if r.naive_source == "model" else "") + (
+            " (over)" if r.naive_within_limit is False else "")
+        body.append([r.kernel, m.fmt_n(r.n), r.m, naive, footprint_cell(r.tf_memsafe_bytes, r.tf_memsafe_within_limit),
+                     footprint_cell(r.predict_bytes, r.predict_within_limit), m.num(r.naive_s, ".3g"),
+                     m.num(r.tf_memsafe_s, ".3g"), m.num(r.grad_rel_err, ".1e"), r.nit if r.nit is not None else "-",
+                     m.num(r.elbo, ".6g"), m.num(r.rmse, ".4f"), m.num(r.nlpd, ".4f"),
+                     r.same_params_check or r.check or "-"])
+    return [f"Limit {m.fmt_bytes(data.get('limit_bytes'))}. XLA's footprint of the loss-and-gradient program as "
+            "`gpflow.optimizers.Scipy` compiles it (tape inside), naive (compiled only where it does not fit) and "
+            "under tf_memsafe; the larger of the `predict_y` / `predict_log_density` programs over the test set; "
+            "seconds per loss and gradient; the gradient's error against naive; L-BFGS iterations and the fit "
+            "where trained (standardised units); the check against the naive program.", "",
+            *md_table(["kernel", "N", "M", "naive", "tf_memsafe", "predict", "naive s", "tf_memsafe s", "grad err",
+                       "L-BFGS its", "ELBO", "RMSE", "NLPD", "check"], body)]
 
-    return ["Footprint, time and fit of each row of `sgpr.json`.", "",
-            *md_table(columns, [[cell(c, r.get(c)) for c in columns] for r in rows])]
+
+def footprint_cell(value: int | None, within: bool | None) -> str:
+    return m.fmt_bytes(value) + (" (over)" if within is False else "")
 
 
 # ---------------------------------------------------------------- the experiments

@@ -116,13 +116,15 @@ def test_a_json_file_that_cannot_be_summarised_is_reported(tmp_path):
         tmp_path / "SUMMARY.md").read_text()
 
 
-def test_sgpr_rows_are_tabled_by_the_columns_they_have():
-    data = {"rows": [{"method": method, "N": 20000, "M": 200, "footprint_bytes": size, "seconds": 1.25,
-                      "elbo": -12.5, "rmse": 0.1, "nlpd": -0.5, "other": "x"}
-                     for method, size in (("naive", 2**28), ("tf_memsafe", 2**24))]}
-    lines = report.sgpr_lines(data)
-    assert "| method | N | M | footprint_bytes | seconds | elbo | rmse | nlpd |" in lines
-    assert "| tf_memsafe | 20000 | 200 | 16 MiB | 1.25 | -12.5 | 0.1 | -0.5 |" in lines
+def test_sgpr_rows_are_tabled_naive_against_tf_memsafe():
+    from experiments import sgpr
+
+    rows = [sgpr.Row(kernel="se", n=100000, m=500, n_test=11111, data="road_network", limit_bytes=10**9,
+                     naive_bytes=2**31, naive_source="measured", naive_within_limit=False, tf_memsafe_bytes=2**28,
+                     tf_memsafe_within_limit=True, predict_bytes=2**29, predict_within_limit=True, naive_s=10.5,
+                     tf_memsafe_s=12.1, grad_rel_err=3e-13, check="", same_params_check="")]
+    lines = report.sgpr_lines({"limit_bytes": 10**9, "rows": [dataclasses.asdict(r) for r in rows]})
+    assert "| se | 1e5 | 500 | 2 GiB (over) | 256 MiB | 512 MiB | 10.5 | 12.1 | 3.0e-13 | - | - | - | - | - |" in lines
 
 
 def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
