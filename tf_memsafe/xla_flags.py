@@ -109,6 +109,42 @@ def ensure_reset_flag() -> bool:
         return True
 
 
+_DUMP_RE = re.compile(r"tf_memsafe_(?:xla|run)_dump_(\d+)_")
+
+
+def _dump_dir(kind: str) -> str:
+    """A fresh private dump directory named with this process's id; stale ones of dead processes
+    (killed while measuring, so they could not delete theirs) are removed first."""
+    remove_stale_dumps()
+    return tempfile.mkdtemp(prefix=f"tf_memsafe_{kind}_dump_{os.getpid()}_")
+
+
+def remove_stale_dumps(root: str | None = None) -> int:
+    """Delete the dump directories in ``root`` (the temp dir) whose process no longer exists."""
+    root = root or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        m = _DUMP_RE.match(name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:        # another user's process: alive
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def dump_for_one_compile() -> Iterator[str]:
     """Make XLA dump the programs compiled inside the block into a fresh directory (yielded).
@@ -118,7 +154,7 @@ def dump_for_one_compile() -> Iterator[str]:
     """
     with flags_lock:
         previous = os.environ.get(ENV)
-        folder = tempfile.mkdtemp(prefix="tf_memsafe_xla_dump_")
+        folder = _dump_dir("xla")
         users = [f for f in user_flags() if _flag_name(f) not in ("--xla_dump_to", "--xla_dump_hlo_as_text")]
         os.environ[ENV] = shlex.join([RESET_FLAG] + users + [f"--xla_dump_to={folder}", "--xla_dump_hlo_as_text"])
         try:
@@ -142,7 +178,7 @@ def dump_all_compiles() -> Iterator[str]:
         previous = os.environ.get(ENV)
         users = user_flags()
         own = next((f.split("=", 1)[1] for f in users if _flag_name(f) == "--xla_dump_to" and "=" in f), None)
-        folder = own or tempfile.mkdtemp(prefix="tf_memsafe_run_dump_")
+        folder = own or _dump_dir("run")
         extra = [] if own else [f"--xla_dump_to={folder}"]
         if "--xla_dump_hlo_as_text" not in {_flag_name(f) for f in users}:
             extra.append("--xla_dump_hlo_as_text")

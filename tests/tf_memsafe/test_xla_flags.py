@@ -164,3 +164,17 @@ def test_dump_all_compiles_uses_and_keeps_the_users_directory(tmp_path, restore_
     with xla_flags.dump_all_compiles() as folder:
         assert folder == str(tmp_path)
     assert tmp_path.exists()
+
+
+def test_dump_directories_of_dead_processes_are_removed(tmp_path):
+    """A process killed while measuring leaves its dump directory; the next one removes it (by the
+    pid in its name), and never one of a process still running."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f"tf_memsafe_run_dump_{dead}_abc"
+    live = tmp_path / f"tf_memsafe_xla_dump_{os.getpid()}_def"
+    other = tmp_path / "someone_elses_dir"
+    for d in (stale, live, other):
+        d.mkdir()
+    assert xla_flags.remove_stale_dumps(str(tmp_path)) == 1
+    assert not stale.exists() and live.exists() and other.exists()
