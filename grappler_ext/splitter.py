@@ -491,6 +491,11 @@ class Splitter(GraphPass):
             if ref.deref().op.type not in ("Placeholder", "Const"):
                 computed_outside += _nbytes(ref.deref())            # read whole by every slice
         root_out = sum(_nbytes(t) for o in options for t in o.root.outputs)
+        joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+        if joined > budget / 2:
+            # Slices joined into a result this large save nothing: what reads the result must be
+            # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
+            return f"{options[0].describe()}: its joined result ({joined:,} B) is over half the limit"
         # Parameters, constants, the outputs (the result among them), one more copy of the result
         # while its slices are joined, and what the loop reads that is computed before it.
         fixed = (est.parameter_bytes + est.constant_bytes + max(est.output_bytes, root_out) + root_out
