@@ -355,6 +355,7 @@ class Splitter(GraphPass):
                         and i.bytes > MIN_TENSOR_FRACTION * limit),
                        key=lambda t: -info[t.name].bytes)
         done: set = set()
+        fits = False          # by the model, after the latest rewrite (the graph changes only there)
         for tensor in large:
             if tensor.op in done:
                 continue
@@ -362,7 +363,8 @@ class Splitter(GraphPass):
                                          backward)
             if outcome is not None:
                 done |= outcome
-                if _fits_now(graph, result, limit, self._loop_bytes):
+                fits = _fits_now(graph, result, limit, self._loop_bytes)
+                if fits:
                     break
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
@@ -373,8 +375,7 @@ class Splitter(GraphPass):
                   or "best effort" in r.reason]
         worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
         needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
-        if worst is not None and needed is not None and needed > limit and result.changed \
-                and _fits_now(graph, result, limit, self._loop_bytes):
+        if worst is not None and needed is not None and needed > limit and fits:
             worst = None       # what was split took the rest with it
         if worst is not None and needed is not None and needed > limit:
             how = "needs about" if est.peak_bytes is not None else "needs at least"
