@@ -148,7 +148,7 @@ def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: i
 
     result = tf.while_loop(lambda i, *carry: i < steps, body, (tf.constant(0), *carry0),
                            maximum_iterations=steps)
-    return list(result[1:])
+    return result[0], list(result[1:])
 
 
 def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
@@ -167,8 +167,11 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     build = _slice_builder(region, external)
 
     def forward(*values):
-        carry = _loop(build, values, combiner, partial_specs, steps, chunk)
-        tail_partials = build(values, steps * chunk, tail)[0] if tail else None
+        count, carry = _loop(build, values, combiner, partial_specs, steps, chunk)
+        # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
+        # data dependence keeps XLA's scheduler from computing the remainder slice before the loop
+        # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
+        tail_partials = build(values, count * chunk, tail)[0] if tail else None
         return combiner.finish(carry, tail_partials, steps * chunk)
 
     floating = [t.dtype.is_floating or t.dtype.is_complex for t in external]
@@ -231,9 +234,11 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
         new += [next(it) + g for g in whole_grads if g is not None]
         return (i + 1, *new)
 
-    result = iter(tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *carry0),
-                                maximum_iterations=steps)[1:])
-    tail_sliced, tail_whole = slice_grads(steps * chunk, tail) if tail else ([None] * n, [None] * n)
+    count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *carry0),
+                                    maximum_iterations=steps)
+    result = iter(carried)
+    # After the loop, as in the forward: the remainder's offset depends on the loop's counter.
+    tail_sliced, tail_whole = slice_grads(count * chunk, tail) if tail else ([None] * n, [None] * n)
     joined = [join_slices(next(result), a, tail_sliced[k]) if a is not None else None for k, a in enumerate(axes)]
     summed = []
     for k, w in enumerate(read_whole):

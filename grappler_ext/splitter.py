@@ -35,9 +35,19 @@ function works, under ``jit_compile`` or not).  ``max``/``min``/``prod`` roots o
 axis have no gradient rule yet: the pass uses them only when the root's outputs are not floating,
 otherwise it skips with that reason.
 
-What it does not do (yet): several regions sharing one loop, attention's online softmax, a
-gradient taken inside the function (its ops read the region's tensors, which stops the region:
-the record says so), dynamic shapes (left alone with a reason).
+Planning beside the rest of the program: a region's chunk is chosen for what the limit leaves
+beside the tensors the rest of the program holds while the region runs (the memory model's
+schedule, less the region's own tensors and the large tensors still to be split).  With gradients
+taken inside the function, a region that fits whole may still be what the program cannot afford:
+the gradients hold its tensors from the forward to the backward (a Transformer's training step
+holds every layer's attention scores).  Such a region is split into two steps at least: its
+rebuilt gradient recomputes the tensors instead of holding them (rematerialisation), and
+candidates are ranked by the bytes that frees, less the inputs the loop's gradient must keep.
+
+What it does not do (yet): dynamic shapes (the static tensors beside them are split when they
+alone are over the limit); plan all regions jointly (each plans against the program as it was,
+assuming the other large tensors will be split: :func:`_fits_now` checks the result after each
+rewrite); model the layout copies XLA makes of a loop's whole inputs for the dots in its body.
 
 Pipeline position: last, after the rewrites that make regions cheaper (``pairwise_distance`` turns
 an [N, M, D] broadcast into an [N, M] matmul; the splitter then only has [N, M] to slice).
@@ -356,12 +366,22 @@ class Splitter(GraphPass):
                        key=lambda t: -info[t.name].bytes)
         done: set = set()
         fits = False          # by the model, after the latest rewrite (the graph changes only there)
+        # Each region plans beside what the rest of the program holds while it runs, counting the large
+        # tensors not yet tried as split too (their own regions will plan beside this one's loop).
+        self._step_of = {step.op: i for i, step in enumerate(est.schedule)}
+        # Large gradient tensors go with them: the gradients are rebuilt through the loops.
+        self._hoped = {t.name for t in large} | {
+            t.name for op in backward for t in op.outputs
+            if (i := info.get(t.name)) is not None and i.materialised and i.bytes
+            and i.bytes > MIN_TENSOR_FRACTION * limit}
         for tensor in large:
             if tensor.op in done:
                 continue
             outcome = self._split_around(graph, tensor, info, est, order_index, graph_outputs, budget, result,
                                          backward)
-            if outcome is not None:
+            if outcome is None:
+                self._hoped.discard(tensor.name)
+            else:
                 done |= outcome
                 fits = _fits_now(graph, result, limit, self._loop_bytes)
                 if fits:
@@ -405,23 +425,34 @@ class Splitter(GraphPass):
                 if grown.stops:
                     reasons.append(grown.stops[0])
                 continue
-            planned = self._plan(options, grown, info, est, budget, bool(backward))
+            planned = self._plan(options, grown, info, est, budget, backward)
             if isinstance(planned, str):
                 reasons.append(planned)
                 continue
             plan, backward_chunk, best_effort, per_unit = planned
-            # Plans that meet the limit first, the fewest steps among them; then the fewest bytes
-            # among those that cannot (a best effort is judged by what it leaves).
+            held = _held_for_backward(grown, info, backward)
+            if not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2:
+                # The region fits whole, but the gradients inside the function hold its tensors from
+                # the forward to the backward: a loop recomputes them there instead.  Two steps at
+                # least: XLA inlines a loop of one step, and then merges the forward's copy of the
+                # body with the backward's (CSE), holding its tensors all the same.
+                chunk = plan.length // 2
+                plan = ChunkPlan(plan.length, chunk, int(plan.predicted_bytes - (plan.length - chunk) * per_unit))
+                backward_chunk = min(backward_chunk, chunk)
+            # Plans that meet the limit first, the fewest steps among them, then the one freeing the
+            # most bytes the gradients would hold; then the fewest bytes among those that cannot (a
+            # best effort is judged by what it leaves); a plan that does not split comes last.
             steps = plan.steps + (1 if plan.tail else 0)
-            key = (True, plan.predicted_bytes, steps) if best_effort else (False, steps, plan.predicted_bytes)
+            key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
+                   else (not plan.splits, False, steps, -held, plan.predicted_bytes))
             if best is None or key < best[0]:
-                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit)
+                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, held)
         if best is None:
             why = reasons[0] if reasons else "no op downstream reduces it or has a split rule"
             result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({info[tensor.name].bytes:,} B): {why}",
                         bytes_before=info[tensor.name].bytes)
             return None
-        _, options, grown, plan, backward_chunk, best_effort, per_unit = best
+        _, options, grown, plan, backward_chunk, best_effort, per_unit, held = best
         if not plan.splits:
             # The planner's count says the region fits whole, while the program's estimate does not:
             # say so (the run's warning then names it) rather than leave it silently.
@@ -464,7 +495,7 @@ class Splitter(GraphPass):
                        bytes_before=region_bytes, bytes_after=plan.predicted_bytes)
         return grown.included
 
-    def _plan(self, options, grown, info, est, budget, differentiated) -> tuple[ChunkPlan, int, str, float] | str:
+    def _plan(self, options, grown, info, est, budget, backward) -> tuple[ChunkPlan, int, str, float] | str:
         """The forward plan, the backward's chunk, a best-effort note and the bytes a unit of the split
         axis costs in the loop's body; or why no split helps."""
         region = grown.region
@@ -497,10 +528,20 @@ class Splitter(GraphPass):
             # Slices joined into a result this large save nothing: what reads the result must be
             # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
             return f"{options[0].describe()}: its joined result ({joined:,} B) is over half the limit"
+        removed = sum(i.bytes for op in grown.included for o in op.outputs
+                      if (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+        if joined and joined >= removed:
+            # Only the root in its region (attention's scores einsum alone): the loop would write
+            # the very tensor it was meant to avoid.
+            return f"{options[0].describe()}: saves nothing (its joined result is all the region holds)"
         # Parameters, constants, the outputs (the result among them), one more copy of the result
-        # while its slices are joined, and what the loop reads that is computed before it.
-        fixed = (est.parameter_bytes + est.constant_bytes + max(est.output_bytes, root_out) + root_out
-                 + computed_outside)
+        # while its slices are joined, and what the loop reads that is computed before it; or, if
+        # more, what the rest of the program holds while the region runs (its other tensors
+        # live then: an attention layer's loop runs beside the activations kept for the backward).
+        constant = est.parameter_bytes + est.constant_bytes
+        forward_steps, backward_steps = self._steps(grown, backward)
+        others = self._background(est, forward_steps, grown)
+        fixed = constant + max(max(est.output_bytes, root_out) + computed_outside, others + root_out) + root_out
         # Every tensor the model materialises in the region counted at once (not the peak of its
         # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
         # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
@@ -527,15 +568,45 @@ class Splitter(GraphPass):
             return f"top-k needs chunks of at least k = {k}"
         plan = ChunkPlan(length, chunk, int(fixed + chunk * per_unit))
         # The backward also holds the gradients of the region's inputs.
-        fixed_backward = fixed + sum(_nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs)
-        backward = plan_chunks(length, per_unit * BACKWARD_COST_FACTOR, fixed_backward, budget)
-        backward_chunk = _at_least(backward.chunk if backward else max(1, chunk // int(BACKWARD_COST_FACTOR)),
+        fixed_backward = (max(fixed, constant + self._background(est, backward_steps, grown) + root_out)
+                          + sum(_nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs))
+        reverse = plan_chunks(length, per_unit * BACKWARD_COST_FACTOR, fixed_backward, budget)
+        backward_chunk = _at_least(reverse.chunk if reverse else max(1, chunk // int(BACKWARD_COST_FACTOR)),
                                    length, k) or chunk
-        if differentiated and fixed_backward > limit and not best_effort:
+        if backward and fixed_backward > limit and not best_effort:
             # The gradients inside the function run this backward: say the step cannot fit.
             best_effort = (f"best effort, the limit cannot be met by the backward ({fixed_backward:,} B stay "
                            "while it runs: the region's inputs and their gradients)")
         return plan, min(backward_chunk, chunk), best_effort, per_unit
+
+    def _steps(self, grown, backward) -> tuple[list[int], list[int]]:
+        """The schedule steps of the region's kernels, and of the gradient kernels reading its tensors."""
+        forward = [self._step_of[op.name] for op in grown.included if op.name in self._step_of]
+        readers = {c for op in grown.included for o in op.outputs for c in o.consumers() if c in backward}
+        return forward, [self._step_of[op.name] for op in readers if op.name in self._step_of]
+
+    def _background(self, est, steps: list[int], grown) -> int:
+        """The most pool bytes the rest of the program holds over ``steps`` (first to last), by the
+        model's schedule: the region's own tensors, and the large tensors still to be split, left
+        out."""
+        if not steps:
+            return 0
+        lo, hi = min(steps), max(steps)
+        gone = self._hoped | {o.name for op in grown.included for o in op.outputs}
+        delta = [0] * (hi - lo + 2)
+        for b in est.buffers:
+            if b.kind == "parameter" or b.kind == "constant" or b.last_step < lo or b.first_step > hi:
+                continue
+            # A kernel's scratch goes with its result (a triangular solve's, with the solve's output).
+            names = (b.name.removesuffix(" (scratch)") + ":0",) if b.kind == "scratch" else (b.name,) + b.tensors
+            if any(n in gone for n in names):
+                delta[max(b.first_step, lo) - lo] -= b.bytes
+                delta[min(b.last_step, hi) - lo + 1] += b.bytes
+        running, most = 0, 0
+        for s in range(lo, hi + 1):
+            running += delta[s - lo]
+            most = max(most, est.schedule[s].live_bytes + running)
+        return most
 
     def _build(self, options, region, plan, backward_chunk):
         parts = [self._root_part(o, plan) for o in options]
@@ -620,7 +691,8 @@ def _new_loops(graph, existing: set) -> list[tf.Operation]:
 
 
 def _fits_now(graph, result: PassResult, limit: int, loop_bytes: dict) -> bool:
-    """Whether the program as rewritten so far fits, by the memory model with each of the splitter's
+    """Whether the program as rewritten so far fits (within :data:`MODEL_TRUST` of the limit, as a program
+    left alone must), by the memory model with each of the splitter's
     loops counted as a kernel whose scratch is its body's planned bytes.  Where that cannot be
     estimated (an op without a rule; the dynamic shapes of a sparse update), the static part must
     fit (a lower bound) and so must every loop's plan."""
@@ -631,15 +703,32 @@ def _fits_now(graph, result: PassResult, limit: int, loop_bytes: dict) -> bool:
     after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(_LOOP_TYPES, loop)})
     planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
     if after.peak_bytes is not None:
-        return after.peak_bytes <= limit
+        return after.peak_bytes <= limit * MODEL_TRUST
     known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
-    return max(planned, known, _floor(after, info)) <= limit
+    return max(planned, known, _floor(after, info)) <= limit * MODEL_TRUST
 
 
 def _floor(est, info) -> int:
     """Parameters, constants, outputs and the largest materialised tensor: what no loop removes."""
     biggest = max((i.bytes for i in info.values() if i.materialised and i.bytes), default=0)
     return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
+
+
+def _held_for_backward(grown, info, backward) -> int:
+    """Bytes that splitting the region stops holding from the forward to the backward: its tensors
+    that gradients inside the function read (the loop's gradient recomputes them instead), less the
+    inputs the loop's gradient keeps for that and nothing else did (an attention mask computed
+    before a loop over heads, read whole by every slice).  Zero without gradients inside."""
+    if not backward:
+        return 0
+    freed = sum(i.bytes for op in grown.included for o in op.outputs
+                if any(c in backward for c in o.consumers())
+                and (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+    region = grown.region
+    kept = sum(_nbytes(t) for t in (r.deref() for r in set(region.sliced_inputs) | region.whole_inputs)
+               if t.op.type not in ("Placeholder", "Const") and t.dtype not in (tf.resource, tf.variant)
+               and not any(c in backward for c in t.consumers()))
+    return freed - kept
 
 
 def _computed(op: tf.Operation) -> tf.Operation:

@@ -7,6 +7,7 @@ Kernel regression, worked out: N = 3000, M = 2500 float64, so K = exp(-|x - y|^2
 backward recomputes them (7 MB measured).
 """
 
+import re
 import warnings
 
 import numpy as np
@@ -168,6 +169,47 @@ def test_attention_mse_step_at_a_limit_that_cannot_be_met():
     assert any("gradient inside the function rebuilt" in r.reason for r in rewrites())
     for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
         np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-6)
+
+
+def test_layers_that_each_fit_are_split_when_the_gradients_hold_them_all():
+    """Six self-attention layers, tape inside, at half the step's footprint.  Each layer's [512, 512]
+    scores and probabilities fit the limit on their own (by the planner's count, 2-3 MB of 4.6 MB),
+    but the gradients hold every layer's until the backward: 9.3 MB in all.  Each layer is then
+    split all the same -- a loop of two steps at least (XLA inlines a loop of one step and merges
+    its body with the backward's recomputation) -- whose rebuilt gradient recomputes the layer's
+    tensors instead of holding them, and none is split along the one-row batch of a product."""
+    rng = np.random.default_rng(4)
+    length, width, layers = 512, 16, 6
+    x = tf.constant(rng.standard_normal((length, width)), tf.float32)
+    weights = [tf.Variable(rng.standard_normal((width, width)) / 4, dtype=tf.float32) for _ in range(3 * layers)]
+
+    def loss_and_grads(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for i in range(layers):
+                w_q, w_k, w_v = weights[3 * i:3 * i + 3]
+                probs = tf.nn.softmax(tf.matmul(h @ w_q, h @ w_k, transpose_b=True), -1)   # [L, L]
+                h = h + probs @ (h @ w_v)
+            loss = tf.reduce_mean(tf.square(h))
+        return loss, tape.gradient(loss, weights)
+
+    naive_fn = tf.function(loss_and_grads, jit_compile=True)
+    expected = naive_fn(x)
+    naive = tf_memsafe.memory_footprint(naive_fn, x, rewrite=False)
+    limit = naive // 2
+    tf_memsafe.enable(limit, strict=True)
+    with splitter_only(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)          # no "cannot meet the limit"
+        fn = tf.function(loss_and_grads, jit_compile=True)
+        got = fn(x)
+    splits = [r for r in rewrites() if r.pass_name == "splitter"]
+    assert len(splits) >= layers - 1, [r.reason for r in splits]
+    for r in splits:
+        steps, chunk = (int(v) for v in re.match(r".*: (\d+) x (\d+)", r.reason).groups())
+        assert steps >= 2 and r.reason.endswith("1 gradient inside the function rebuilt"), r.reason
+    assert tf_memsafe.memory_footprint(fn, x) <= limit < naive
+    for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(e))))
 
 
 def test_a_best_effort_takes_the_plan_that_leaves_the_least():

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext.chunk_plan import ChunkPlan
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
 from grappler_ext.splitter import Splitter
@@ -159,6 +160,33 @@ class TestKernelMatvecGradients:
             after = tf_memsafe.tape_footprint(kernel_matvec, self.x, self.y, self.v)
         assert before.forward > 10 * LIMIT and before.backward > 10 * LIMIT
         assert after.forward <= LIMIT and after.backward <= LIMIT
+
+
+def test_the_remainder_slice_runs_after_the_loop(monkeypatch):
+    """Chunks of 300 of 1000 rows (or 800 columns) leave a remainder, computed after the loop.  Its slices'
+    offset is read from the loop's counter: with a constant offset XLA's scheduler was free to
+    compute the remainder first and hold its tensors while the loop ran (seen in a Transformer's
+    training step: two slices' worth at the peak)."""
+    import grappler_ext.splitter as splitter_module
+    from grappler_ext import graph_edit
+
+    monkeypatch.setattr(splitter_module, "plan_chunks",
+                        lambda length, per_unit, fixed, budget: ChunkPlan(length, 300, int(fixed + 300 * per_unit)))
+    x, y, v = points(1000, 3, tf.float64), points(800, 3, tf.float64, seed=1), points(800, 2, tf.float64, seed=2)
+    expected = tf.function(kernel_matvec, jit_compile=True)(x, y, v)
+    tf_memsafe.enable(10**6, strict=True)
+    with splitter_only():
+        fn = tf.function(kernel_matvec, jit_compile=True)
+        got = fn(x, y, v)
+        graph = fn.get_concrete_function(x, y, v).graph
+    (record,) = rewrites()
+    assert record.reason.endswith((" x 300 + 100 of 1000", " x 300 + 200 of 800")), record.reason
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    tail = [op for op in graph.get_operations() if op.type == "Slice" and op.name.startswith("tf_memsafe/splitter")]
+    assert len(loops) == 1 and tail
+    for op in tail:
+        assert loops[0] in graph_edit.ancestors(list(op.inputs)), op.name
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
 def test_two_readers_reducing_the_same_axis_share_one_loop(monkeypatch):
