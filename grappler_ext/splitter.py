@@ -530,10 +530,14 @@ class Splitter(GraphPass):
             return f"{options[0].describe()}: its joined result ({joined:,} B) is over half the limit"
         removed = sum(i.bytes for op in grown.included for o in op.outputs
                       if (i := info.get(o.name)) is not None and i.materialised and i.bytes)
-        if joined and joined >= removed:
-            # Only the root in its region (attention's scores einsum alone): the loop would write
-            # the very tensor it was meant to avoid.
-            return f"{options[0].describe()}: saves nothing (its joined result is all the region holds)"
+        # Joining slices along an axis other than the first transposes the stacked slices: one more
+        # copy of the result at the end.
+        join_cost = joined * (2 if any(o.kind == "concat" and any(o.output_axes) for o in options) else 1)
+        if joined and removed - join_cost < MIN_TENSOR_FRACTION * budget:
+            # Nearly all the region holds is its joined result (attention's scores einsum alone, a
+            # Transformer's output layer): the loop would write what it was meant to avoid.
+            return (f"{options[0].describe()}: saves too little (joining its result takes {join_cost:,} B of "
+                    f"the {removed:,} B the region holds)")
         # Parameters, constants, the outputs (the result among them), one more copy of the result
         # while its slices are joined, and what the loop reads that is computed before it; or, if
         # more, what the rest of the program holds while the region runs (its other tensors
@@ -556,9 +560,12 @@ class Splitter(GraphPass):
             # must stay (BEST_EFFORT_FRACTION of the fixed bytes), unless that gains nothing.
             chunk = max(1, int(BEST_EFFORT_FRACTION * fixed / per_unit)) if per_unit else length
             predicted = fixed + chunk * per_unit
-            # Only where the model says it at least halves the program: a loop has costs of its own.
+            # Only where the model says it at least halves the program (its static part, when shapes
+            # are dynamic): a loop has costs of its own.
+            whole = est.peak_bytes if est.peak_bytes is not None else (
+                None if est.unknown_ops else constant + est.live_peak_bytes)
             if (chunk >= length or per_unit * length <= BEST_EFFORT_FRACTION * fixed
-                    or est.peak_bytes is None or predicted > est.peak_bytes / 2):
+                    or whole is None or predicted > whole / 2):
                 return f"{options[0].describe()}: {plan.reason}{stop}"
             plan = ChunkPlan(length, chunk, int(predicted))
             best_effort = f"best effort, the limit cannot be met ({plan.predicted_bytes:,} B needed{stop})"
