@@ -46,7 +46,7 @@ candidates are ranked by the bytes that frees, less the inputs the loop's gradie
 
 What it does not do (yet): dynamic shapes (the static tensors beside them are split when they
 alone are over the limit); plan all regions jointly (each plans against the program as it was,
-assuming the other large tensors will be split: :func:`_fits_now` checks the result after each
+assuming the other large tensors will be split: :func:`_needed_now` checks the result after each
 rewrite); model the layout copies XLA makes of a loop's whole inputs for the dots in its body.
 
 Pipeline position: last, after the rewrites that make regions cheaper (``pairwise_distance`` turns
@@ -365,7 +365,7 @@ class Splitter(GraphPass):
                         and i.bytes > MIN_TENSOR_FRACTION * limit),
                        key=lambda t: -info[t.name].bytes)
         done: set = set()
-        fits = False          # by the model, after the latest rewrite (the graph changes only there)
+        after = None          # the model's bytes after the latest rewrite (the graph changes only there)
         # Each region plans beside what the rest of the program holds while it runs, counting the large
         # tensors not yet tried as split too (their own regions will plan beside this one's loop).
         self._step_of = {step.op: i for i, step in enumerate(est.schedule)}
@@ -383,8 +383,8 @@ class Splitter(GraphPass):
                 self._hoped.discard(tensor.name)
             else:
                 done |= outcome
-                fits = _fits_now(graph, result, limit, self._loop_bytes)
-                if fits:
+                after = _needed_now(graph, result, self._loop_bytes)
+                if after <= limit * MODEL_TRUST:      # as a program left alone must
                     break
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
@@ -395,14 +395,15 @@ class Splitter(GraphPass):
                   or "best effort" in r.reason]
         worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
         needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
-        if worst is not None and needed is not None and needed > limit and fits:
+        if worst is not None and after is not None and after <= limit:
             worst = None       # what was split took the rest with it
         if worst is not None and needed is not None and needed > limit:
             how = "needs about" if est.peak_bytes is not None else "needs at least"
+            then = f" ({_mb(after)} as split)" if after is not None else ""
             what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == "skipped"
                     else f"the splitter could only reduce it: {worst.reason}")
             warnings.warn(
-                f"tf_memsafe: `{graph.name}` {how} {_mb(needed)} by the memory model, over its limit of "
+                f"tf_memsafe: `{graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
                 f"{_mb(limit)}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
                 "that op's input in smaller pieces.", RuntimeWarning, stacklevel=2)
         return result
@@ -697,12 +698,11 @@ def _new_loops(graph, existing: set) -> list[tf.Operation]:
     return [op for op in graph.get_operations() if op.type in _LOOP_TYPES and op not in existing]
 
 
-def _fits_now(graph, result: PassResult, limit: int, loop_bytes: dict) -> bool:
-    """Whether the program as rewritten so far fits (within :data:`MODEL_TRUST` of the limit, as a program
-    left alone must), by the memory model with each of the splitter's
+def _needed_now(graph, result: PassResult, loop_bytes: dict) -> int:
+    """The bytes the program as rewritten so far needs by the memory model, each of the splitter's
     loops counted as a kernel whose scratch is its body's planned bytes.  Where that cannot be
-    estimated (an op without a rule; the dynamic shapes of a sparse update), the static part must
-    fit (a lower bound) and so must every loop's plan."""
+    estimated (an op without a rule; the dynamic shapes of a sparse update): the most of the static
+    part (a lower bound) and every loop's plan."""
     def body(op, ctx):
         return loop_bytes.get(op.name, 0)
 
@@ -710,9 +710,9 @@ def _fits_now(graph, result: PassResult, limit: int, loop_bytes: dict) -> bool:
     after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(_LOOP_TYPES, loop)})
     planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
     if after.peak_bytes is not None:
-        return after.peak_bytes <= limit * MODEL_TRUST
+        return after.peak_bytes
     known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
-    return max(planned, known, _floor(after, info)) <= limit * MODEL_TRUST
+    return max(planned, known, _floor(after, info))
 
 
 def _floor(est, info) -> int:
