@@ -484,8 +484,7 @@ class Splitter(GraphPass):
             self._loop_bytes[op.name] = int(plan.chunk * per_unit) + joined
         for op in _new_loops(graph, existing | set(forward_loops)):
             self._loop_bytes[op.name] = int(backward_chunk * per_unit * BACKWARD_COST_FACTOR)
-        region_bytes = sum(info[o.name].bytes or 0 for op in grown.included for o in op.outputs
-                           if info.get(o.name) and info[o.name].materialised)
+        region_bytes = _materialised_bytes(grown.included, info)
         described = options[0].describe() + "".join(
             f" and `{_computed(o.root).type}` {o.kind}" for o in options[1:])
         result.rewrote(roots + grown.region.ops,
@@ -529,8 +528,7 @@ class Splitter(GraphPass):
             # Slices joined into a result this large save nothing: what reads the result must be
             # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
             return f"{options[0].describe()}: its joined result ({joined:,} B) is over half the limit"
-        removed = sum(i.bytes for op in grown.included for o in op.outputs
-                      if (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+        removed = _materialised_bytes(grown.included, info)
         # Joining slices along an axis other than the first transposes the stacked slices: one more
         # copy of the result at the end.
         join_cost = joined * (2 if any(o.kind == "concat" and any(o.output_axes) for o in options) else 1)
@@ -721,6 +719,12 @@ def _floor(est, info) -> int:
     return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
 
 
+def _materialised_bytes(ops, info, where=lambda t: True) -> int:
+    """Bytes of the outputs of ``ops`` that the memory model gives buffers (those ``where`` accepts)."""
+    return sum(i.bytes for op in ops for o in op.outputs
+               if where(o) and (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+
+
 def _held_for_backward(grown, info, backward) -> int:
     """Bytes that splitting the region stops holding from the forward to the backward: its tensors
     that gradients inside the function read (the loop's gradient recomputes them instead), less the
@@ -728,9 +732,7 @@ def _held_for_backward(grown, info, backward) -> int:
     before a loop over heads, read whole by every slice).  Zero without gradients inside."""
     if not backward:
         return 0
-    freed = sum(i.bytes for op in grown.included for o in op.outputs
-                if any(c in backward for c in o.consumers())
-                and (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+    freed = _materialised_bytes(grown.included, info, lambda o: any(c in backward for c in o.consumers()))
     region = grown.region
     kept = sum(_nbytes(t) for t in (r.deref() for r in set(region.sliced_inputs) | region.whole_inputs)
                if t.op.type not in ("Placeholder", "Const") and t.dtype not in (tf.resource, tf.variant)
