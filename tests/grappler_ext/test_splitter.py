@@ -412,6 +412,16 @@ class TestMustNotFire:
             reasons = self.unchanged(fn, tf.TensorSpec([3000, 3]))
         assert any("cannot split through `Cholesky`: no rule" in r for r in reasons), reasons
 
+    def test_a_loop_that_would_only_write_its_result_is_refused(self):
+        """Three products returned whole, [1500, 1000] f32 = 6 MB each, 18 MB over a 16 MB limit: a
+        loop over one's rows would write the very tensor it was meant to avoid (the function returns
+        it), so the program is left as it is, with the reason and a warning."""
+        def fn(x, y):
+            return tuple(tf.matmul(x * s, y, transpose_b=True) for s in (1.0, 2.0, 3.0))  # [N, M] each
+        with pytest.warns(RuntimeWarning, match="over its limit of 16.0 MB"):
+            reasons = self.unchanged(fn, tf.TensorSpec([1500, 8]), tf.TensorSpec([1000, 8]))
+        assert any("saves too little" in r for r in reasons), reasons
+
     def test_random_op_is_never_moved_into_a_loop(self):
         fn = lambda x, y: tf.math.top_k(tf.random.uniform([4000, 4000]) - sq_dist(x, y), k=3).indices
         with pytest.warns(RuntimeWarning, match="RandomUniform"):
