@@ -35,7 +35,7 @@ from tensorflow.python.framework import tensor_util
 
 from grappler_ext.combiners import Combiner, join_slices
 
-__all__ = ["Region", "build_split", "dynamic_slice"]
+__all__ = ["Region", "build_split", "forward_program", "dynamic_slice"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -151,16 +151,13 @@ def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: i
     return result[0], list(result[1:])
 
 
-def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
-                differentiable: bool = True, backward_chunk: int | None = None) -> list[tf.Tensor]:
-    """Build the loop computing ``region`` in chunks of ``chunk``; returns the combined outputs.
+def forward_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]):
+    """``(external, forward)``: the tensors the region reads from outside, and ``forward(*values)``
+    building the loop over slices of ``values`` (standing for ``external``) in the default graph.
 
-    Must be called with the region's graph as default.  ``partial_specs`` are the shapes and dtypes
-    of one full slice's partial results (what ``combiner.init`` needs).  The backward recomputes
-    in chunks of ``backward_chunk`` (default ``chunk``): a slice's gradient holds several tensors
-    of the slice's size at once, so it needs smaller chunks to fit the same limit.
+    ``forward`` reads nothing else of the region's graph, so it can be traced on its own (the
+    splitter compiles it to measure what a slice costs).
     """
-    backward_chunk = backward_chunk or chunk
     length = region.length
     steps, tail = length // chunk, length % chunk
     external = external_inputs(region)
@@ -173,6 +170,23 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
         tail_partials = build(values, count * chunk, tail)[0] if tail else None
         return combiner.finish(carry, tail_partials, steps * chunk)
+
+    return external, forward
+
+
+def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
+                differentiable: bool = True, backward_chunk: int | None = None) -> list[tf.Tensor]:
+    """Build the loop computing ``region`` in chunks of ``chunk``; returns the combined outputs.
+
+    Must be called with the region's graph as default.  ``partial_specs`` are the shapes and dtypes
+    of one full slice's partial results (what ``combiner.init`` needs).  The backward recomputes
+    in chunks of ``backward_chunk`` (default ``chunk``): a slice's gradient holds several tensors
+    of the slice's size at once, so it needs smaller chunks to fit the same limit.
+    """
+    backward_chunk = backward_chunk or chunk
+    length = region.length
+    external, forward = forward_program(region, chunk, combiner, partial_specs)
+    build = _slice_builder(region, external)
 
     floating = [t.dtype.is_floating or t.dtype.is_complex for t in external]
     axes = [region.sliced_inputs.get(t.ref()) for t in external]

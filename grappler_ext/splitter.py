@@ -67,7 +67,7 @@ from grappler_ext import combiners, gradients, graph_edit, memory_model, split_r
 from grappler_ext.chunk_plan import ChunkPlan, plan_chunks
 from grappler_ext.pass_base import SKIPPED, GraphPass, PassResult
 from grappler_ext.pipeline import register_pass
-from grappler_ext.split_loop import Region, build_split
+from grappler_ext.split_loop import Region, build_split, forward_program
 from grappler_ext.verifier import live_ops, topological_order
 
 __all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR"]
@@ -84,6 +84,12 @@ POOL_MARGIN = 0.8
 # M = 2000 inducing points (897 MB estimated, 1.05 GB measured, under a 1 GB limit): a program is
 # left alone as "already within the limit" only when its estimate is within this share of it.
 MODEL_TRUST = 0.8
+# A loop's chunk sized from XLA's own figure for it (compiled alone at two chunk sizes: the bytes
+# one more row of the split axis costs) still runs beside the rest of the program, which XLA's
+# buffer assignment packs around it less tightly than the loop alone (measured: a Transformer's
+# three attention loops needed 1.22x the bytes their standalone figures predicted): the measured
+# bytes a row are divided by this.
+CALIBRATION_MARGIN = 0.7
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
 _REDUCTIONS = frozenset(combiners.REDUCTION_COMBINERS)
@@ -308,6 +314,7 @@ class Splitter(GraphPass):
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)
         self._loop_bytes: dict[str, int] = {}
+        self._calibrate = getattr(options, "calibrate_chunks", False)
         limit = options.memory_limit_bytes
         if limit is None:
             result.skip([], "no memory limit in bytes")
@@ -430,9 +437,10 @@ class Splitter(GraphPass):
             if isinstance(planned, str):
                 reasons.append(planned)
                 continue
-            plan, backward_chunk, best_effort, per_unit = planned
+            plan, backward_chunk, best_effort, per_unit, backward_unit = planned
             held = _held_for_backward(grown, info, backward)
-            if not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2:
+            remat = not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2
+            if remat:
                 # The region fits whole, but the gradients inside the function hold its tensors from
                 # the forward to the backward: a loop recomputes them there instead.  Two steps at
                 # least: XLA inlines a loop of one step, and then merges the forward's copy of the
@@ -447,13 +455,13 @@ class Splitter(GraphPass):
             key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
                    else (not plan.splits, False, steps, -held, plan.predicted_bytes))
             if best is None or key < best[0]:
-                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, held)
+                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat)
         if best is None:
             why = reasons[0] if reasons else "no op downstream reduces it or has a split rule"
             result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({info[tensor.name].bytes:,} B): {why}",
                         bytes_before=info[tensor.name].bytes)
             return None
-        _, options, grown, plan, backward_chunk, best_effort, per_unit, held = best
+        _, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat = best
         if not plan.splits:
             # The planner's count says the region fits whole, while the program's estimate does not:
             # say so (the run's warning then names it) rather than leave it silently.
@@ -461,6 +469,14 @@ class Splitter(GraphPass):
                                      f"region fits the limit whole by the planner's count ({plan.predicted_bytes:,} B)",
                         bytes_before=info[tensor.name].bytes)
             return None
+        measured = ""
+        if self._calibrate and plan.steps >= 2 and not remat:   # a recomputation's two steps stay
+            calibrated = self._calibrated(options, grown, plan, info, est, budget, backward)
+            if isinstance(calibrated, str):
+                measured = f"; {calibrated}"
+            else:
+                plan, per_unit, measured = calibrated
+                backward_chunk = min(backward_chunk, plan.chunk)
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
         try:
@@ -483,21 +499,26 @@ class Splitter(GraphPass):
         for op in forward_loops:
             self._loop_bytes[op.name] = int(plan.chunk * per_unit) + joined
         for op in _new_loops(graph, existing | set(forward_loops)):
-            self._loop_bytes[op.name] = int(backward_chunk * per_unit * BACKWARD_COST_FACTOR)
+            self._loop_bytes[op.name] = int(backward_chunk * backward_unit)
         region_bytes = _materialised_bytes(grown.included, info)
         described = options[0].describe() + "".join(
             f" and `{_computed(o.root).type}` {o.kind}" for o in options[1:])
         result.rewrote(roots + grown.region.ops,
                        f"{described}: {plan.steps} x {plan.chunk}"
                        + (f" + {plan.tail}" if plan.tail else "") + f" of {plan.length}"
+                       + measured
                        + (f"; {rebuilt} gradient{'s' if rebuilt > 1 else ''} inside the function rebuilt"
                           if rebuilt else "") + (f"; {best_effort}" if best_effort else ""),
                        bytes_before=region_bytes, bytes_after=plan.predicted_bytes)
         return grown.included
 
-    def _plan(self, options, grown, info, est, budget, backward) -> tuple[ChunkPlan, int, str, float] | str:
+    def _plan(self, options, grown, info, est, budget, backward,
+              measured: float | None = None) -> tuple[ChunkPlan, int, str, float, float] | str:
         """The forward plan, the backward's chunk, a best-effort note and the bytes a unit of the split
-        axis costs in the loop's body; or why no split helps."""
+        axis costs in the forward and the backward loop's body; or why no split helps.
+
+        ``measured``: the bytes a unit costs the forward loop by XLA's figure (see
+        :meth:`_calibrated`), used instead of the memory model's count."""
         region = grown.region
         length = region.length
         folded = {o.root for o in options if o.kind != "concat"}  # roots whose outputs do not scale
@@ -549,6 +570,9 @@ class Splitter(GraphPass):
         # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
         # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
         per_unit /= SAFETY_MARGIN
+        backward_unit = per_unit * BACKWARD_COST_FACTOR
+        if measured is not None:
+            per_unit = measured / CALIBRATION_MARGIN
         limit = budget
         budget = est.parameter_bytes + max(0, budget - est.parameter_bytes) * POOL_MARGIN
         plan = plan_chunks(length, per_unit, fixed, budget)
@@ -576,14 +600,58 @@ class Splitter(GraphPass):
         # The backward also holds the gradients of the region's inputs.
         fixed_backward = (max(fixed, constant + self._background(est, backward_steps, grown) + root_out)
                           + sum(_nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs))
-        reverse = plan_chunks(length, per_unit * BACKWARD_COST_FACTOR, fixed_backward, budget)
+        reverse = plan_chunks(length, backward_unit, fixed_backward, budget)
         backward_chunk = _at_least(reverse.chunk if reverse else max(1, chunk // int(BACKWARD_COST_FACTOR)),
                                    length, k) or chunk
         if backward and fixed_backward > limit and not best_effort:
             # The gradients inside the function run this backward: say the step cannot fit.
             best_effort = (f"best effort, the limit cannot be met by the backward ({fixed_backward:,} B stay "
                            "while it runs: the region's inputs and their gradients)")
-        return plan, min(backward_chunk, chunk), best_effort, per_unit
+        return plan, min(backward_chunk, chunk), best_effort, per_unit, backward_unit
+
+    def _calibrated(self, options, grown, plan, info, est, budget, backward) -> tuple[ChunkPlan, float, str] | str:
+        """The plan again, its chunk sized from XLA's figure for the loop; or why it stays as planned.
+
+        The forward loop is built on its own (a ``tf.function`` of the region's inputs) at the
+        planned chunk and at twice (or half) that, and compiled -- never run -- with XLA: the
+        difference of the two "Total bytes used" over the difference of the chunks is what one row
+        of the split axis costs the loop, fusion, in-place updates and the combiner's carry
+        included.  The memory model's count is kept on the safe side (``SAFETY_MARGIN``), so this
+        mostly gives larger chunks, and fewer steps, than it did.
+        """
+        k = max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
+        length, first = plan.length, plan.chunk
+        second = 2 * first if 2 * first <= length // 2 else first // 2
+        if second < k or second == first:
+            return "chunk from the memory model (no second chunk size to compare with)"
+        try:
+            from tf_memsafe import memory  # tf_memsafe owns XLA_FLAGS, and so the measurement
+            figures = [self._loop_figure(memory, options, grown.region, ChunkPlan(length, c, 0))
+                       for c in (first, second)]
+        except Exception as e:  # noqa: BLE001 - the model's plan stands; the record says why
+            return f"chunk from the memory model (measuring the loop failed: {type(e).__name__})"
+        per_row = (figures[1] - figures[0]) / (second - first)
+        if per_row <= 0:
+            return "chunk from the memory model (XLA's figure does not grow with the chunk)"
+        planned = self._plan(options, grown, info, est, budget, backward, measured=per_row)
+        if isinstance(planned, str):
+            return f"chunk from the memory model (with XLA's figure: {planned})"
+        again, _, _, per_unit, _ = planned
+        if not again.splits:
+            # XLA's figure says the region fits whole, while the program does not: two steps.
+            again = ChunkPlan(length, length // 2, int(again.predicted_bytes - (length - length // 2) * per_unit))
+        return again, per_unit, f"; chunk from XLA's figure for the loop ({per_row:,.0f} B a row)"
+
+    @staticmethod
+    def _loop_figure(memory, options, region, plan) -> int:
+        """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``plan.chunk``."""
+        combiner, specs, _, _ = Splitter._combined(options, region, plan)
+        external, forward = forward_program(region, plan.chunk, combiner, specs)
+        if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in external):
+            raise ValueError("an input without a static shape or of a handle type")
+        fn = tf.function(lambda *values: forward(*values), jit_compile=True, autograph=False)
+        with tf.init_scope():
+            return memory.compiled_bytes(fn, *[tf.TensorSpec(t.shape, t.dtype) for t in external])
 
     def _steps(self, grown, backward) -> tuple[list[int], list[int]]:
         """The schedule steps of the region's kernels, and of the gradient kernels reading its tensors."""
@@ -615,7 +683,20 @@ class Splitter(GraphPass):
         return most
 
     def _build(self, options, region, plan, backward_chunk):
-        parts = [self._root_part(o, plan) for o in options]
+        combiner, specs, differentiable, counts = self._combined(options, region, plan)
+        outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
+                              backward_chunk=backward_chunk)
+        visible, i = [], 0
+        for o, n in zip(options, counts):
+            visible += outputs[i:i + len(o.root.outputs)]
+            i += n
+        return visible
+
+    @staticmethod
+    def _combined(options, region, plan):
+        """``(combiner, partial specs, differentiable, outputs per root)`` of the roots together;
+        sets ``region.root_partial``."""
+        parts = [Splitter._root_part(o, plan) for o in options]
         partial_fns = [p[0] for p in parts]
         region.root_partial = lambda lookup, chunk, offset: [
             x for fn in partial_fns for x in fn(lookup, chunk, offset)]
@@ -628,15 +709,10 @@ class Splitter(GraphPass):
             combiner = combiners.Group([(c, len(sp), n) for (_, c, sp, _), n in zip(parts, counts)])
             specs = [x for _, _, sp, _ in parts for x in sp]
             differentiable = all(p[3] for p in parts)
-        outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
-                              backward_chunk=backward_chunk)
-        visible, i = [], 0
-        for o, n in zip(options, counts):
-            visible += outputs[i:i + len(o.root.outputs)]
-            i += n
-        return visible
+        return combiner, specs, differentiable, counts
 
-    def _root_part(self, option, plan):
+    @staticmethod
+    def _root_part(option, plan):
         """``(partial builder, combiner, partial specs, differentiable)`` for one root."""
         root = option.root
         kind = option.kind

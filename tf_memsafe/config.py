@@ -44,6 +44,11 @@ class Options:
       max_fixed_point_iterations: cap on repetitions of the whole pipeline while some pass still
         changes the graph; 1 runs every pass once.
       dump_dir: if set, the printed graph before and after each pass is written there.
+      calibrate_chunks: before building a loop, compile it on its own with XLA at two chunk sizes
+        (never run) and size its chunks from the bytes XLA gives one more row of the split axis,
+        instead of from the memory model's count alone (which is kept on the safe side and so
+        gives smaller chunks, and slower loops, than the limit allows).  About a second of
+        tracing per loop; off: the model's count alone.
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.
@@ -57,6 +62,7 @@ class Options:
     verify: bool = False
     max_fixed_point_iterations: int = 4
     dump_dir: str | None = None
+    calibrate_chunks: bool = True
     exla_flags: bool = True
 
     def __post_init__(self):

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_memsafe import _tf_internals, hook, xla_flags
 from tf_memsafe.errors import TfMemsafeError
 
-__all__ = ["memory_footprint", "tape_footprint", "TapeFootprint", "peak_memory", "MeasurementError"]
+__all__ = ["memory_footprint", "compiled_bytes", "tape_footprint", "TapeFootprint", "peak_memory", "MeasurementError"]
 
 _TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
 _REPORT_GLOB = "*after_optimizations-memory-usage-report.txt"
@@ -100,6 +100,17 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     suspend = contextlib.nullcontext() if rewrite else hook.suspended()
     with xla_flags.dump_for_one_compile() as folder, suspend:
         copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+        return _read_total_bytes(folder)
+
+
+def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec) -> int:
+    """XLA's "Total bytes used" for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``,
+    traced with tf_memsafe's hook suspended: the figure of exactly the program ``fn`` builds.
+
+    Compiled, never run.  The splitter measures its loops with it (see ``grappler_ext.splitter``).
+    """
+    with xla_flags.dump_for_one_compile() as folder, hook.suspended():
+        fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
         return _read_total_bytes(folder)
 
 

@@ -1,4 +1,4 @@
-"""The chunk-size policy, without TensorFlow: fits the budget, fewest steps, divisors preferred."""
+"""The chunk-size policy, without TensorFlow: fits the budget, the largest chunk whose remainder fits beside it."""
 
 import math
 
@@ -10,10 +10,11 @@ from grappler_ext.chunk_plan import ChunkPlan, NoPlan, plan_chunks
 
 
 def test_worked_examples_of_the_docstring():
-    assert plan_chunks(20000, 80e3, 10**6, 100 * 10**6) == ChunkPlan(20000, 1237, 99_960_000)
+    assert plan_chunks(20000, 80e3, 10**6, 100 * 10**6) == ChunkPlan(20000, 1176, 95_080_000)
+    plan = plan_chunks(20000, 80e3, 10**6, 100 * 10**6)
+    assert (plan.steps, plan.tail) == (17, 8)
     plan = plan_chunks(20000, 80e3, 10**6, 81 * 10**6)
     assert (plan.chunk, plan.steps, plan.tail) == (1000, 20, 0)
-    assert plan_chunks(20000, 80e3, 10**6, 100 * 10**6).tail == 208
 
 
 def test_fits_whole_means_no_split():
@@ -36,7 +37,7 @@ def test_invalid_sizes(bad):
 
 @given(length=st.integers(1, 10**6), per_unit=st.integers(1, 10**6), fixed=st.integers(0, 10**9),
        budget=st.integers(1, 10**10))
-def test_plan_fits_and_uses_the_fewest_steps(length, per_unit, fixed, budget):
+def test_plan_fits_with_its_remainder_and_takes_the_largest_such_chunk(length, per_unit, fixed, budget):
     plan = plan_chunks(length, per_unit, fixed, budget)
     if not plan:
         assert fixed + per_unit > budget
@@ -44,8 +45,11 @@ def test_plan_fits_and_uses_the_fewest_steps(length, per_unit, fixed, budget):
     assert 1 <= plan.chunk <= length
     assert plan.predicted_bytes == fixed + plan.chunk * per_unit <= budget
     largest = min(length, (budget - fixed) // per_unit)
-    iterations = plan.steps + (1 if plan.tail else 0)
-    assert iterations == math.ceil(length / largest)          # no plan that fits has fewer steps
     assert plan.steps * plan.chunk + plan.tail == length
-    if plan.tail:                                              # a divisor was preferred where one existed
-        assert not any(length % c == 0 for c in range(math.ceil(length / iterations), largest + 1))
+    assert plan.chunk + plan.tail <= largest                   # the remainder fits beside a chunk
+    assert not any(c + length % c <= largest for c in range(plan.chunk + 1, largest + 1))
+    fewest = math.ceil(length / largest)
+    if largest >= (fewest + 1) ** 2:
+        # Then chunks of floor(L / (fewest + 1)) leave under fewest + 1 rows, which fit beside them:
+        # at most two iterations more than the fewest possible.
+        assert plan.steps + (1 if plan.tail else 0) <= fewest + 2

@@ -5,6 +5,8 @@ into slices of at most a few hundred rows.  Every footprint below is XLA's own "
 of the compiled program (forward and backward separately when the tape is outside).
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -180,7 +182,7 @@ def test_the_remainder_slice_runs_after_the_loop(monkeypatch):
         got = fn(x, y, v)
         graph = fn.get_concrete_function(x, y, v).graph
     (record,) = rewrites()
-    assert record.reason.endswith((" x 300 + 100 of 1000", " x 300 + 200 of 800")), record.reason
+    assert any(plan in record.reason for plan in (" x 300 + 100 of 1000", " x 300 + 200 of 800")), record.reason
     loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
     tail = [op for op in graph.get_operations() if op.type == "Slice" and op.name.startswith("tf_memsafe/splitter")
             and op.outputs[0].shape.rank == 2]                                  # not the anchor's scalar
@@ -367,6 +369,49 @@ def test_default_pipeline_rewrites_the_distance_then_splits_the_matrix():
     # Near-ties between distances may order differently after the rewrite; nearly all agree.
     assert np.mean(got.numpy() == expected.numpy()) > 0.99
     assert after <= LIMIT
+
+
+class TestChunksFromXlasFigure:
+    """kNN at d = 64, N = M = 4000 under 16 MB: the memory model counts each of the slice's
+    materialised [c, 4000] f32 tensors (the product, the distances, the negated scores) at once and
+    keeps a margin, while XLA fuses them into one buffer: compiling the loop alone at two chunk
+    sizes gives the bytes a row really costs (about 16 kB: one 4000-float row), so the chunks grow."""
+
+    x, y = points(4000, 64), points(4000, 64, seed=1)
+
+    def split(self, **options):
+        tf_memsafe.enable(LIMIT, strict=True, **options)
+        mark = hook.report_mark()
+        with hook.use_pipeline(default_pipeline()):
+            got = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
+            after = tf_memsafe.memory_footprint(knn_l2, self.x, self.y)
+        (record,) = [r for rep in hook.reports_since(mark) for r in rep.records
+                     if r.pass_name == "splitter" and r.action == "rewritten"][:1]
+        steps, chunk = map(int, re.search(r"(\d+) x (\d+)", record.reason).groups())
+        tf_memsafe.disable()
+        return got, after, record.reason, steps
+
+    def test_larger_chunks_still_within_the_limit(self):
+        expected = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
+        got, after, reason, steps = self.split()
+        _, after_model, reason_model, steps_model = self.split(calibrate_chunks=False)
+        assert "chunk from XLA's figure for the loop" in reason
+        assert "XLA's figure" not in reason_model
+        assert steps < steps_model and after_model < after <= LIMIT, (reason, reason_model, after, after_model)
+        assert np.mean(got.numpy() == expected.numpy()) > 0.99
+
+    def test_a_failed_measurement_keeps_the_models_chunk_and_says_so(self, monkeypatch):
+        from tf_memsafe import memory
+
+        def fail(*args):
+            raise memory.MeasurementError("no report")
+
+        monkeypatch.setattr(memory, "compiled_bytes", fail)
+        expected = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
+        got, after, reason, steps = self.split()
+        assert "chunk from the memory model (measuring the loop failed: MeasurementError)" in reason
+        assert steps == self.split(calibrate_chunks=False)[3] and after <= LIMIT
+        assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
 
 def test_impossible_limit_gets_the_best_effort_and_a_warning():
