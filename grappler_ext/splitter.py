@@ -448,12 +448,17 @@ class Splitter(GraphPass):
                 chunk = plan.length // 2
                 plan = ChunkPlan(plan.length, chunk, int(plan.predicted_bytes - (plan.length - chunk) * per_unit))
                 backward_chunk = min(backward_chunk, chunk)
-            # Plans that meet the limit first, the fewest steps among them, then the one freeing the
-            # most bytes the gradients would hold; then the fewest bytes among those that cannot (a
-            # best effort is judged by what it leaves); a plan that does not split comes last.
+            # Plans that meet the limit first; among them, those whose joined result is small (a
+            # region reaching on to a reduction, rather than stopping at a large tensor it writes
+            # whole: SGPR's K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the
+            # region through A A^T and A err, 3 steps, left none), the fewest steps, then the one
+            # freeing the most bytes the gradients would hold; then the fewest bytes among those
+            # that cannot (a best effort is judged by what it leaves); a plan that does not split last.
             steps = plan.steps + (1 if plan.tail else 0)
+            joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
             key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
-                   else (not plan.splits, False, steps, -held, plan.predicted_bytes))
+                   else (not plan.splits, False, joined > MIN_TENSOR_FRACTION * budget, steps, -held,
+                         plan.predicted_bytes))
             if best is None or key < best[0]:
                 best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat)
         if best is None:
