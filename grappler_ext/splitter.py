@@ -597,7 +597,7 @@ class Splitter(GraphPass):
                 return f"{options[0].describe()}: {plan.reason}{stop}"
             plan = ChunkPlan(length, chunk, int(predicted))
             best_effort = f"best effort, the limit cannot be met ({plan.predicted_bytes:,} B needed{stop})"
-        k = max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
+        k = _top_k(options)
         chunk = _at_least(plan.chunk, length, k)
         if chunk is None:
             return f"top-k needs chunks of at least k = {k}"
@@ -624,7 +624,7 @@ class Splitter(GraphPass):
         included.  The memory model's count is kept on the safe side (``SAFETY_MARGIN``), so this
         mostly gives larger chunks, and fewer steps, than it did.
         """
-        k = max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
+        k = _top_k(options)
         length, first = plan.length, plan.chunk
         second = 2 * first if 2 * first <= length // 2 else first // 2
         if second < k or second == first:
@@ -826,6 +826,11 @@ def _computed(op: tf.Operation) -> tf.Operation:
     while op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
+
+
+def _top_k(options) -> int:
+    """The largest k of the region's top-k roots (a slice must hold at least k rows); 1 without one."""
+    return max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
 
 
 def _at_least(chunk: int, length: int, k: int) -> int | None:
