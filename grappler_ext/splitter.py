@@ -44,6 +44,14 @@ holds every layer's attention scores).  Such a region is split into two steps at
 rebuilt gradient recomputes the tensors instead of holding them (rematerialisation), and
 candidates are ranked by the bytes that frees, less the inputs the loop's gradient must keep.
 
+Chunk sizes from XLA's figure (``Options.calibrate_chunks``): the memory model plans first, with
+margins; then the loop is compiled alone (never run) at two chunk sizes, and the difference of the
+two "Total bytes used" is what a row really costs.  Where the loop is all the program holds (no
+gradients inside, no other large tensor, the rest a few per cent of the limit: a kNN search, a
+kernel sum), the chunk is taken up to ``WHOLE_PROGRAM_MARGIN`` of the limit and checked by
+compiling at that chunk, as a person sizing the loop by hand would; elsewhere the measured bytes a
+row keep a margin for what XLA packs around the loop.
+
 What it does not do (yet): dynamic shapes (the static tensors beside them are split when they
 alone are over the limit); plan all regions jointly (each plans against the program as it was,
 assuming the other large tensors will be split: :func:`_needed_now` checks the result after each
@@ -67,10 +75,10 @@ from grappler_ext import combiners, gradients, graph_edit, memory_model, split_r
 from grappler_ext.chunk_plan import ChunkPlan, plan_chunks
 from grappler_ext.pass_base import SKIPPED, GraphPass, PassResult
 from grappler_ext.pipeline import register_pass
-from grappler_ext.split_loop import Region, build_split, forward_program
+from grappler_ext.split_loop import Region, build_split, external_inputs, forward_program
 from grappler_ext.verifier import live_ops, topological_order
 
-__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR"]
+__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN"]
 
 # The memory model is an estimate (its ratio to XLA's figure stays in [0.7, 1.1] over the test
 # workloads): a slice's modelled bytes are divided by this before planning.  The fixed part
@@ -90,6 +98,12 @@ MODEL_TRUST = 0.8
 # three attention loops needed 1.22x the bytes their standalone figures predicted): the measured
 # bytes a row are divided by this.
 CALIBRATION_MARGIN = 0.7
+# A loop that is all the program holds (no gradients inside, no other large tensor, the rest under
+# MIN_TENSOR_FRACTION of the limit: a kNN search, a kernel sum) is sized like a person sizing it by
+# hand: XLA's figure for the loop at the chosen chunk, plus the rest by the model, within this share
+# of the limit, checked by compiling at that chunk (the figure and the program's differ only by the
+# rest, which is small).
+WHOLE_PROGRAM_MARGIN = 0.95
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
 _REDUCTIONS = frozenset(combiners.REDUCTION_COMBINERS)
@@ -638,6 +652,11 @@ class Splitter(GraphPass):
         per_row = (figures[1] - figures[0]) / (second - first)
         if per_row <= 0:
             return "chunk from the memory model (XLA's figure does not grow with the chunk)"
+        rest = self._rest_beside(grown, est, budget, backward)
+        if rest is not None:
+            fitted = self._fitted(memory, options, grown.region, k, (first, figures[0]), per_row, rest, budget)
+            if fitted is not None:
+                return fitted
         planned = self._plan(options, grown, info, est, budget, backward, measured=per_row)
         if isinstance(planned, str):
             return f"chunk from the memory model (with XLA's figure: {planned})"
@@ -646,6 +665,47 @@ class Splitter(GraphPass):
             # XLA's figure says the region fits whole, while the program does not: two steps.
             again = ChunkPlan(length, length // 2, int(again.predicted_bytes - (length - length // 2) * per_unit))
         return again, per_unit, f"; chunk from XLA's figure for the loop ({per_row:,.0f} B a row)"
+
+    def _rest_beside(self, grown, est, limit, backward) -> int | None:
+        """What the rest of the program holds while the region runs, when the region's loop is all
+        the program holds (see ``WHOLE_PROGRAM_MARGIN``); else ``None``."""
+        if backward:
+            return None
+        mine = {o.name for op in grown.included for o in op.outputs}
+        if not self._hoped <= mine:
+            return None                       # another large tensor: its loop or its whole value
+        # The program's parameters and constants too, less those the loop reads itself (in its figure).
+        read = sum(_nbytes(t) for t in external_inputs(grown.region) if t.op.type in ("Placeholder", "Const"))
+        rest = (self._background(est, self._steps(grown, backward)[0], grown)
+                + max(0, est.parameter_bytes + est.constant_bytes - read))
+        return rest if rest <= MIN_TENSOR_FRACTION * limit else None
+
+    def _fitted(self, memory, options, region, k, measured, per_row, rest, limit) -> tuple | None:
+        """The largest chunk whose loop, by XLA's figure, fits ``WHOLE_PROGRAM_MARGIN`` of the limit
+        beside ``rest``: the straight line through the measured ``(chunk, bytes)`` to the target,
+        then compiled at that chunk, and shrunk until it fits (three tries).  ``None``: the
+        conservative plan stands."""
+        target = int(limit * WHOLE_PROGRAM_MARGIN) - rest
+        length = region.length
+        chunk_at, figure_at = measured
+        intercept = max(0, figure_at - int(per_row * chunk_at))
+        plan = plan_chunks(length, per_row, intercept, target)
+        if not plan or not plan.splits:
+            return None
+        chunk = plan.chunk
+        for _ in range(3):
+            chunk = _at_least(chunk, length, k)
+            if chunk is None:
+                return None
+            figure = self._loop_figure(memory, options, region, ChunkPlan(length, chunk, 0))
+            if figure <= target:
+                return (ChunkPlan(length, chunk, figure + rest), per_row,
+                        f"; chunk from XLA's figure for the loop, which is the program "
+                        f"({figure:,} B at this chunk, {per_row:,.0f} B a row)")
+            # Over: scale the part that grows with the chunk down to the room, and a tenth more.
+            room = max(0, target - intercept)
+            chunk = min(chunk - 1, int(0.9 * chunk * room / max(1, figure - intercept)))
+        return None
 
     @staticmethod
     def _loop_figure(memory, options, region, plan) -> int:

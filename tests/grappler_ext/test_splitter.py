@@ -15,7 +15,7 @@ import tf_memsafe
 from grappler_ext.chunk_plan import ChunkPlan
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
-from grappler_ext.splitter import Splitter
+from grappler_ext.splitter import WHOLE_PROGRAM_MARGIN, Splitter
 from tf_memsafe import hook
 
 LIMIT = 16 * 10**6
@@ -176,7 +176,7 @@ def test_the_remainder_slice_runs_after_the_loop(monkeypatch):
                         lambda length, per_unit, fixed, budget: ChunkPlan(length, 300, int(fixed + 300 * per_unit)))
     x, y, v = points(1000, 3, tf.float64), points(800, 3, tf.float64, seed=1), points(800, 2, tf.float64, seed=2)
     expected = tf.function(kernel_matvec, jit_compile=True)(x, y, v)
-    tf_memsafe.enable(10**6, strict=True)
+    tf_memsafe.enable(10**6, strict=True, calibrate_chunks=False)     # the chunk stays the one forced
     with splitter_only():
         fn = tf.function(kernel_matvec, jit_compile=True)
         got = fn(x, y, v)
@@ -411,6 +411,30 @@ class TestChunksFromXlasFigure:
         got, after, reason, steps = self.split()
         assert "chunk from the memory model (measuring the loop failed: MeasurementError)" in reason
         assert steps == self.split(calibrate_chunks=False)[3] and after <= LIMIT
+        assert np.mean(got.numpy() == expected.numpy()) > 0.99
+
+    def test_a_loop_that_is_the_program_fills_the_limit(self):
+        """L1 kNN of 2000 queries among 20000 points at d = 3 under 16 MB: the inputs are 0.3 MB and
+        the loop over points is all the program holds, so its chunk is sized from XLA's figure up to
+        WHOLE_PROGRAM_MARGIN of the limit (checked by compiling at that chunk), as a person sizing the
+        loop by hand would, not at the half of it the program-wide margins leave."""
+        q, p = points(2000, 3), points(20000, 3, seed=1)
+
+        def knn_l1(q, p):
+            return tf.math.top_k(-tf.reduce_sum(tf.abs(q[:, None] - p[None]), -1), k=10).indices
+
+        expected = tf.function(knn_l1, jit_compile=True)(q, p)
+        tf_memsafe.enable(LIMIT, strict=True)
+        mark = hook.report_mark()
+        with hook.use_pipeline(default_pipeline()):
+            got = tf.function(knn_l1, jit_compile=True)(q, p)
+            after = tf_memsafe.memory_footprint(knn_l1, q, p)
+        records = {r.reason for rep in hook.reports_since(mark) for r in rep.records
+                   if r.pass_name == "splitter" and r.action == "rewritten"}
+        tf_memsafe.disable()
+        (reason,) = records                                  # the call's trace and the measurement's: one plan
+        assert "which is the program" in reason, reason
+        assert 0.8 * LIMIT < after <= WHOLE_PROGRAM_MARGIN * LIMIT, (after, reason)
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
 
