@@ -3,6 +3,7 @@
     python -m experiments.sgpr [--quick] [--out experiments/results] [--limit 1GB] [--run-limit 8GB]
         [--sizes 1e4 3e4 1e5 3e5 1e6] [--inducing 500 1000 2000] [--kernels se matern32]
         [--data PATH] [--train | --no-train] [--train-max-n 1e4] [--maxiter 50] [--repeats 3] [--seed 0]
+        [--test-points T]
 
 The model is ``gpflow.models.SGPR`` as GPflow ships it, float64, with a ``SquaredExponential``
 (``se``) or ``Matern32`` (``matern32``) kernel with ARD lengthscales (initially ones), the inducing
@@ -17,6 +18,11 @@ the target) is used instead.  For each size N the data set has N + N/9 rows (a r
 the file's, or generated), shuffled and split 90/10 into training and test sets; inputs and target
 are standardised with the training set's mean and standard deviation.  RMSE and NLPD are in
 standardised units.  Sizes beyond a file's rows are replaced by the largest that fits it.
+``--test-points T`` holds out T rows instead of N/9 (the issue's predictions over a million test
+points: ``--sizes 1e4 --test-points 1e6`` trains at N = 1e4 and predicts, and ``--sizes 1e6
+--no-train --test-points 1e6`` measures the prediction programs at N = 1e6, compiled only).
+Predictions whose program needs more than ``--run-limit`` (compiled first, never run) are not
+run: the note says so.
 
 **Each point** (kernel, N, M), a fresh model each time:
 
@@ -210,8 +216,10 @@ def held_out_rows(n_train: int) -> int:
     return max(1, round(n_train * TEST_SHARE / (1 - TEST_SHARE)))
 
 
-def largest_train(rows: int) -> int:
-    """The largest N whose data set (N + test rows) fits in ``rows`` rows."""
+def largest_train(rows: int, test_points: int | None = None) -> int:
+    """The largest N whose data set (N + test rows: ``test_points``, or 10 %) fits in ``rows`` rows."""
+    if test_points is not None:
+        return max(0, rows - test_points)
     n = int(rows * (1 - TEST_SHARE)) + 2     # held_out_rows rounds: the answer is a row or two from 90 %
     while n > 1 and n + held_out_rows(n) > rows:
         n -= 1
@@ -232,9 +240,10 @@ class Split:
     y_std: float
 
 
-def prepare(table: np.ndarray, n_train: int, seed: int = 0) -> Split:
-    """``n_train`` + ``held_out_rows(n_train)`` random rows of ``table`` (target last), split and standardised."""
-    n_test = held_out_rows(n_train)
+def prepare(table: np.ndarray, n_train: int, seed: int = 0, n_test: int | None = None) -> Split:
+    """``n_train`` + ``n_test`` (default ``held_out_rows(n_train)``) random rows of ``table`` (target
+    last), split and standardised."""
+    n_test = held_out_rows(n_train) if n_test is None else n_test
     if n_train + n_test > len(table):
         raise ValueError(f"{n_train} training + {n_test} test rows requested from a table of {len(table)}")
     rows = np.random.default_rng([seed, n_train]).permutation(len(table))[:n_train + n_test]
@@ -390,13 +399,18 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     out.nit, out.elbo = int(result.nit), -float(result.fun)
     if len(opt.compile_cache) != 1:
         out.note = joined(out.note, "minimize compiled a second loss-and-gradient function")
+    too_large = predictions_over(model, split, s.run_limit, rewritten)
     predict_fns, figures = [tf.function(fn, jit_compile=True) for fn in predictors(model, split)], []
+    if too_large:
+        out.note = joined(out.note, too_large)
+        predict_fns = []
     for fn in predict_fns:
         with xla_flags.dump_all_compiles() as folder:
             fn()                                                                       # compiled here
             figures.append(compiled_bytes(folder))
-    out.predict_bytes = None if None in figures else max(figures)
-    out.rmse, out.nlpd = scores(predict_fns, split)
+    out.predict_bytes = None if None in figures or not figures else max(figures)
+    if predict_fns:
+        out.rmse, out.nlpd = scores(predict_fns, split)
     if rewritten:
         out.final_x = np.asarray(result.x)
         loss, grad = evaluate(out.final_x)
@@ -404,8 +418,20 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     if at is not None:
         loss, grad = evaluate(at)                                                      # assigns ``at`` to the model
         out.at_loss, out.at_grad = float(loss), np.asarray(grad)
-        out.at_rmse, out.at_nlpd = scores(predict_fns, split)
+        if predict_fns:
+            out.at_rmse, out.at_nlpd = scores(predict_fns, split)
     return out
+
+
+def predictions_over(model, split: Split, run_limit: int, rewritten: bool) -> str:
+    """Why the test-set predictions must not run (a program's footprint, compiled only, over
+    ``run_limit``: the naive ``predict_y`` over a million test points needs 16 GB), or ""."""
+    for fn in predictors(model, split):
+        figure, _ = m.footprint(fn, (), rewrite=rewritten)
+        if figure is not None and figure > run_limit:
+            return (f"predictions not run: `{fn.__name__}` footprint {m.fmt_bytes(figure)} > --run-limit "
+                    f"{m.fmt_bytes(run_limit)}")
+    return ""
 
 
 # ---------------------------------------------------------------- one point
@@ -654,6 +680,9 @@ def main(argv=None) -> int:
     parser.add_argument("--train-max-n", type=size, help="largest N trained (default 1e4; 2000 with --quick)")
     parser.add_argument("--maxiter", type=int, help="L-BFGS iterations at most (default 50; 10 with --quick)")
     parser.add_argument("--repeats", type=int, help="timed calls after the first (default 3; 1 with --quick)")
+    parser.add_argument("--test-points", type=size,
+                        help="T, test points per size (default: 10 %% of the data set, N / 9); predictions over "
+                             "T = 1e6 are the issue's target")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -674,12 +703,13 @@ def main(argv=None) -> int:
         loaded = load_table(args.data)
         data = os.path.basename(args.data)
         source = f"{args.data}: {loaded.shape[0]} rows x {loaded.shape[1]} columns"
-        cap = largest_train(len(loaded))
+        cap = largest_train(len(loaded), args.test_points)
         sizes = sorted({min(n, cap) for n in sizes})
         tables = lambda n: loaded
     else:
-        data, source = "road_network", f"road_network(seed={args.seed}): generated, N + N/9 rows per size"
-        tables = lambda n: road_network(n + held_out_rows(n), args.seed)
+        data, source = "road_network", (f"road_network(seed={args.seed}): generated, N + "
+                                        f"{args.test_points or 'N/9'} rows per size")
+        tables = lambda n: road_network(n + (args.test_points or held_out_rows(n)), args.seed)
     sizes = sorted(set(sizes))
     previous = tf_memsafe.get_options() if tf_memsafe.is_enabled() else None
     tf_memsafe.disable()   # the naive programs must be traced as written; each point enables it for itself
@@ -688,7 +718,7 @@ def main(argv=None) -> int:
         with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)), \
                 tqdm(total=len(sizes) * len(kernels) * len(inducing), desc="sgpr") as bar:
             for n in sizes:
-                split = prepare(tables(n), n, args.seed)
+                split = prepare(tables(n), n, args.seed, args.test_points)
                 for kernel in kernels:
                     for m_inducing in inducing:
                         bar.set_postfix_str(f"{kernel} N={m.fmt_n(n)} M={m_inducing}")

@@ -133,6 +133,23 @@ def test_prepare_splits_90_10_and_standardises_with_the_training_statistics():
         sgpr.prepare(table, 2800)
 
 
+def test_a_test_set_of_a_given_size_and_predictions_too_large_to_run():
+    """``--test-points``: T rows held out instead of N/9; a prediction program whose footprint
+    (compiled only) is over --run-limit is not run, and the note names it."""
+    import gpflow
+
+    table = sgpr.road_network(3000, seed=1)
+    assert sgpr.largest_train(3000, test_points=1000) == 2000
+    split = sgpr.prepare(table, 500, seed=2, n_test=2500)
+    assert split.x_train.shape == (500, 3) and split.x_test.shape == (2500, 3)
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64)):
+        model = sgpr.make_model(split, 20, "se")
+        figure = tf_memsafe.memory_footprint(sgpr.predictors(model, split)[1], rewrite=False)
+        assert sgpr.predictions_over(model, split, figure * 2, rewritten=False) == ""
+        why = sgpr.predictions_over(model, split, figure // 2, rewritten=False)
+    assert why.startswith("predictions not run: `predict_") and "> --run-limit" in why, why
+
+
 def test_sizes_and_checks():
     assert sgpr.held_out_rows(2000) == 222 and sgpr.held_out_rows(10**6) == 111_111
     assert sgpr.largest_train(1000) == 900 and sgpr.largest_train(sgpr.UCI_3DROAD_ROWS) == 391_387
