@@ -176,7 +176,7 @@ def time_calls(call: Callable[[], object], repeats: int, enough_s: float = 3.0) 
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], repeats: int,
-                     enough_s: float = 3.0) -> dict[str, tuple[float, float, object] | BaseException]:
+                     enough_s: float = 10.0) -> dict[str, tuple[float, float, object] | BaseException]:
     """Per method, ``(median seconds, first call's seconds, result)`` of its call, or the exception it raised.
 
     Every call is made once first (the warm-up: compiling), then the methods take turns, one timed

@@ -26,8 +26,9 @@ Methods (one row each per metric, data, d and n):
   ``--ref-queries`` queries: the reference every other method's recall is computed against.
 
 Columns: the XLA footprint of the TF methods ("Total bytes used", compiled, not run) and whether it
-is within ``--limit``; the median seconds per call after a warm-up call (timed calls stop after
-3 s) and queries per second; ``recall``: the share of the returned neighbours (distinct indices)
+is within ``--limit``; the median seconds per call after a warm-up call (the methods take turns,
+one call each, for ``--repeats`` rounds; a method sits out once its timed calls reach 10 s) and
+queries per second; ``recall``: the share of the returned neighbours (distinct indices)
 whose exact distance is at most the exact k-th neighbour's distance plus a float32 rounding
 allowance (``16 eps sqrt(d)`` times the scale of the terms), so that ties and near-ties count;
 ``kth_rel_err``: the largest relative difference between the exact distance of the k-th neighbour

@@ -654,7 +654,10 @@ class Splitter(GraphPass):
             return "chunk from the memory model (XLA's figure does not grow with the chunk)"
         rest = self._rest_beside(grown, est, budget, backward)
         if rest is not None:
-            fitted = self._fitted(memory, options, grown.region, k, (first, figures[0]), per_row, rest, budget)
+            try:
+                fitted = self._fitted(memory, options, grown.region, k, (first, figures[0]), per_row, rest, budget)
+            except Exception:  # noqa: BLE001 - the margins' plan below stands
+                fitted = None
             if fitted is not None:
                 return fitted
         planned = self._plan(options, grown, info, est, budget, backward, measured=per_row)
@@ -683,18 +686,16 @@ class Splitter(GraphPass):
     def _fitted(self, memory, options, region, k, measured, per_row, rest, limit) -> tuple | None:
         """The largest chunk whose loop, by XLA's figure, fits ``WHOLE_PROGRAM_MARGIN`` of the limit
         beside ``rest``: the straight line through the measured ``(chunk, bytes)`` to the target,
-        then compiled at that chunk, and shrunk until it fits (three tries).  ``None``: the
-        conservative plan stands."""
+        then compiled at that chunk, and the line steepened through that figure until it fits (three
+        tries).  ``None``: the conservative plan stands."""
         target = int(limit * WHOLE_PROGRAM_MARGIN) - rest
         length = region.length
         chunk_at, figure_at = measured
         intercept = max(0, figure_at - int(per_row * chunk_at))
-        plan = plan_chunks(length, per_row, intercept, target)
-        if not plan or not plan.splits:
-            return None
-        chunk = plan.chunk
+        slope = per_row
         for _ in range(3):
-            chunk = _at_least(chunk, length, k)
+            plan = plan_chunks(length, slope, intercept, target)
+            chunk = _at_least(plan.chunk, length, k) if plan and plan.splits else None
             if chunk is None:
                 return None
             figure = self._loop_figure(memory, options, region, ChunkPlan(length, chunk, 0))
@@ -702,9 +703,8 @@ class Splitter(GraphPass):
                 return (ChunkPlan(length, chunk, figure + rest), per_row,
                         f"; chunk from XLA's figure for the loop, which is the program "
                         f"({figure:,} B at this chunk, {per_row:,.0f} B a row)")
-            # Over: scale the part that grows with the chunk down to the room, and a tenth more.
-            room = max(0, target - intercept)
-            chunk = min(chunk - 1, int(0.9 * chunk * room / max(1, figure - intercept)))
+            # Over (a remainder slice, a layout copy): the line through the intercept and this figure.
+            slope = max(1.05 * slope, (figure - intercept) / chunk)
         return None
 
     @staticmethod
