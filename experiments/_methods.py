@@ -162,17 +162,12 @@ def time_calls(call: Callable[[], object], repeats: int, enough_s: float = 3.0) 
     """(median seconds, first call's seconds, result) of ``call``: one warm-up call, then up to ``repeats``.
 
     The warm-up compiles (XLA, KeOps) and is not in the median; timed calls stop early once they
-    have taken ``enough_s`` in all (a 20-second call is timed once).
+    have taken ``enough_s`` in all (a 20-second call is timed once).  What it raises, it raises.
     """
-    start = time.perf_counter()
-    result = call()
-    first = time.perf_counter() - start
-    times: list[float] = []
-    while len(times) < max(1, repeats) and sum(times) < enough_s:
-        start = time.perf_counter()
-        result = call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), first, result
+    timed = time_interleaved({"call": call}, repeats, enough_s)["call"]
+    if isinstance(timed, BaseException):
+        raise timed
+    return timed
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], repeats: int,
