@@ -400,10 +400,9 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     if len(opt.compile_cache) != 1:
         out.note = joined(out.note, "minimize compiled a second loss-and-gradient function")
     too_large = predictions_over(model, split, s.run_limit, rewritten)
-    predict_fns, figures = [tf.function(fn, jit_compile=True) for fn in predictors(model, split)], []
-    if too_large:
-        out.note = joined(out.note, too_large)
-        predict_fns = []
+    out.note = joined(out.note, too_large)
+    predict_fns = [] if too_large else [tf.function(fn, jit_compile=True) for fn in predictors(model, split)]
+    figures = []
     for fn in predict_fns:
         with xla_flags.dump_all_compiles() as folder:
             fn()                                                                       # compiled here
