@@ -63,7 +63,7 @@ class Row:
     limit_bytes: int                  # --limit
     footprint_bytes: int | None       # XLA's "Total bytes used" (TF methods)
     within_limit: bool | None
-    seconds: float | None             # median per call (numpy: for the reference rows only)
+    seconds: float | None             # fastest timed call (numpy: for the reference rows only)
     first_call_s: float | None        # the warm-up call (XLA or KeOps compile included)
     rows_per_s: float | None
     rel_err: float | None             # against numpy: max |out - ref| / max |ref|
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data", nargs="+", choices=m.DATA, help="default uniform clustered")
     parser.add_argument("--methods", nargs="+", choices=m.METHODS, default=list(m.METHODS))
     parser.add_argument("--time-budget", type=float, help="seconds per call, predicted from the previous size (60)")
-    parser.add_argument("--repeats", type=int, help="timed calls after the warm-up (default 3; 1 with --quick)")
+    parser.add_argument("--repeats", type=int, help="timed calls after the warm-up (default 5; 1 with --quick)")
     parser.add_argument("--ref-rows", type=int, help="rows the NumPy reference computes (default 1000)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     n_rows = args.rows or (1000 if quick else 10000)
     ref_rows = args.ref_rows or (n_rows if quick else 1000)
     settings = m.Settings(methods=tuple(args.methods), limit=limit, run_limit=run_limit,
-                          repeats=args.repeats or (1 if quick else 3),
+                          repeats=args.repeats or (1 if quick else 5),
                           budget=m.Budget(args.time_budget or (10.0 if quick else 60.0)))
 
     from tqdm import tqdm

@@ -2,7 +2,7 @@
 
     python -m experiments.knn [--quick] [--out experiments/results] [--limit 1GB] [--run-limit 8GB]
         [--sizes 1e4 1e5 1e6 1e7] [--dims 3 10 100] [--metrics l2 l1 cosine] [--data uniform clustered mnist]
-        [--queries 10000] [--methods naive tf_memsafe hand keops numpy] [--time-budget 60] [--repeats 3]
+        [--queries 10000] [--methods naive tf_memsafe hand keops numpy] [--time-budget 60] [--repeats 5]
 
 The eXLA paper's first experiment: k = 10 neighbours of Q queries among n points in d dimensions,
 float32, for three metrics written the naive way (the full [Q, n] matrix, then ``tf.math.top_k``):
@@ -26,8 +26,8 @@ Methods (one row each per metric, data, d and n):
   ``--ref-queries`` queries: the reference every other method's recall is computed against.
 
 Columns: the XLA footprint of the TF methods ("Total bytes used", compiled, not run) and whether it
-is within ``--limit``; the median seconds per call after a warm-up call (the methods take turns,
-one call each, for ``--repeats`` rounds; a method sits out once its timed calls reach 10 s) and
+is within ``--limit``; the fastest timed call after a warm-up call (the methods take turns, one
+call each, for ``--repeats`` rounds; a method sits out once its timed calls reach 10 s) and
 queries per second; ``recall``: the share of the returned neighbours (distinct indices)
 whose exact distance is at most the exact k-th neighbour's distance plus a float32 rounding
 allowance (``16 eps sqrt(d)`` times the scale of the terms), so that ties and near-ties count;
@@ -78,7 +78,7 @@ class Row:
     limit_bytes: int                  # --limit
     footprint_bytes: int | None       # XLA's "Total bytes used" (TF methods)
     within_limit: bool | None
-    seconds: float | None             # median per call (numpy: for the reference queries only)
+    seconds: float | None             # fastest timed call (numpy: for the reference queries only)
     first_call_s: float | None        # the warm-up call (XLA or KeOps compile included)
     queries_per_s: float | None
     recall: float | None              # against numpy, ties allowed (see the module docstring)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--methods", nargs="+", choices=m.METHODS, default=list(m.METHODS))
     parser.add_argument("--time-budget", type=float, help="seconds per call, predicted from the previous size (60)")
-    parser.add_argument("--repeats", type=int, help="timed calls after the warm-up (default 3; 1 with --quick)")
+    parser.add_argument("--repeats", type=int, help="timed calls after the warm-up (default 5; 1 with --quick)")
     parser.add_argument("--ref-queries", type=int, help="queries the NumPy reference answers (default 1000)")
     parser.add_argument("--mnist-dir", help="tensorflow_datasets data_dir to look for MNIST in")
     args = parser.parse_args(argv)
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     queries = args.queries or (300 if quick else 10000)
     ref_queries = args.ref_queries or (queries if quick else 1000)
     settings = m.Settings(methods=tuple(args.methods), limit=limit, run_limit=run_limit,
-                          repeats=args.repeats or (1 if quick else 3),
+                          repeats=args.repeats or (1 if quick else 5),
                           budget=m.Budget(args.time_budget or (10.0 if quick else 60.0)))
 
     from tqdm import tqdm

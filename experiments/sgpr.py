@@ -31,7 +31,7 @@ run: the note says so.
   ``jit_compile=True``: the packed variables assigned, ``training_loss`` under a ``GradientTape``
   inside, the gradients packed).  Its first call is traced, rewritten and compiled while XLA dumps
   its programs, and ``tf_memsafe_bytes`` is that compile's "Total bytes used" (as ``python -m
-  tf_memsafe`` reads it); ``tf_memsafe_s`` is the median of further calls (``_methods.time_calls``),
+  tf_memsafe`` reads it); ``tf_memsafe_s`` is the fastest of further calls (``_methods.time_calls``),
   or, when the first call took over ``LONG_CALL_S`` (the largest points: minutes per call),
   that call itself (compiling is then under 2 % of it; ``note`` says so).
   Training (``N <= --train-max-n``): ``Scipy().minimize(model.training_loss, ...,
@@ -113,7 +113,7 @@ class Row:
     predict_bytes: int | None = None             # tf_memsafe's predict_y and predict_log_density programs: the larger
     predict_within_limit: bool | None = None
     naive_predict_bytes: int | None = None       # where the naive predictions ran
-    tf_memsafe_s: float | None = None            # median seconds per loss-and-gradient evaluation
+    tf_memsafe_s: float | None = None            # fastest seconds per loss-and-gradient evaluation
     tf_memsafe_first_call_s: float | None = None  # the first call: trace, rewrite and XLA compile included
     naive_s: float | None = None
     naive_first_call_s: float | None = None
