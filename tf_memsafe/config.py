@@ -49,6 +49,11 @@ class Options:
         instead of from the memory model's count alone (which is kept on the safe side and so
         gives smaller chunks, and slower loops, than the limit allows).  About a second of
         tracing per loop; off: the model's count alone.
+      check_programs: when the memory model puts a program within the limit but not far below it,
+        compile a copy of it with XLA (never run) before leaving it alone, and split it after all
+        if XLA's figure is over the limit (the model cannot see how XLA's scheduler interleaves
+        independent branches: a Transformer's encoder and decoder attention measured 2x the
+        model's count).  One extra compile of such programs; off: the model's word is final.
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.
@@ -63,6 +68,7 @@ class Options:
     max_fixed_point_iterations: int = 4
     dump_dir: str | None = None
     calibrate_chunks: bool = True
+    check_programs: bool = True
     exla_flags: bool = True
 
     def __post_init__(self):

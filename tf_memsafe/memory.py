@@ -23,7 +23,8 @@ import tensorflow as tf
 from tf_memsafe import _tf_internals, hook, xla_flags
 from tf_memsafe.errors import TfMemsafeError
 
-__all__ = ["memory_footprint", "compiled_bytes", "tape_footprint", "TapeFootprint", "peak_memory", "MeasurementError"]
+__all__ = ["memory_footprint", "compiled_bytes", "graph_bytes", "tape_footprint", "TapeFootprint", "peak_memory",
+           "MeasurementError"]
 
 _TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
 _REPORT_GLOB = "*after_optimizations-memory-usage-report.txt"
@@ -112,6 +113,47 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
     with xla_flags.dump_for_one_compile() as folder, hook.suspended():
         fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
         return _read_total_bytes(folder)
+
+
+def graph_bytes(graph) -> int:
+    """XLA's "Total bytes used" for a function's graph as it stands now (a ``FuncGraph`` being traced).
+
+    A copy of the graph is compiled -- never run -- as a function of its own: the graph's inputs
+    become the copy's arguments (static shapes needed), its captured tensors (variables' handles,
+    constants) are captured again, its outputs are returned, and its stateful ops (variable updates)
+    are kept by the copy's automatic control dependencies, so the copy is the program XLA will
+    compile for the original.  The splitter checks with it what its memory model cannot see (how
+    XLA's scheduler interleaves independent branches).  Raises ``MeasurementError`` when the graph
+    has no outputs or an input without a static shape.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    outputs = [t for t in getattr(graph, "outputs", []) if t is not None]
+    if not outputs:
+        raise MeasurementError(f"`{graph.name}` has no outputs to compile")
+    captured = {internal.name: external for external, internal in graph.captures}
+    arguments = [t for t in graph.inputs if t.name not in captured]
+    if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in arguments):
+        raise MeasurementError(f"`{graph.name}` has an input without a static shape or of a handle type")
+    whole = graph.as_graph_def()
+    replaced = {t.op.name for t in graph.inputs}
+    definition = graph_pb2.GraphDef()
+    definition.CopyFrom(whole)
+    del definition.node[:]
+    definition.node.extend(n for n in whole.node if n.name not in replaced)   # the inputs are mapped
+    for node in definition.node:
+        node.attr.pop("_class", None)      # colocation with the inputs' nodes, which the copy has not
+
+    def copy(*values):
+        here = tf.compat.v1.get_default_graph()
+        mapping = {t.name: v for t, v in zip(arguments, values)}
+        mapping.update({name: here.capture(external) for name, external in captured.items()})
+        return tf.graph_util.import_graph_def(definition, input_map=mapping, name="",
+                                              return_elements=[t.name for t in outputs])
+
+    fn = tf.function(copy, jit_compile=True, autograph=False)
+    with tf.init_scope():
+        return compiled_bytes(fn, *[tf.TensorSpec(t.shape, t.dtype) for t in arguments])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -438,6 +438,70 @@ class TestChunksFromXlasFigure:
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
 
+class TestProgramsCheckedWithXla:
+    """Attention over 1000 queries: the memory model counts 8.8 MB, between CHECK_FROM and
+    MODEL_TRUST of 16 MB, so the program is compiled whole (never run) before it is left alone."""
+
+    specs = (tf.TensorSpec([1000, 64]),) * 3
+
+    def trace(self, **options):
+        hook.clear_reports()
+        tf_memsafe.enable(LIMIT, strict=True, **options)
+        with splitter_only():
+            graph = tf.function(attention, jit_compile=True).get_concrete_function(*self.specs).graph
+        tf_memsafe.disable()
+        return graph, [r.reason for r in skips()], rewrites()
+
+    def test_within_by_xlas_figure_too_is_left_alone_with_both_figures(self):
+        plain = format_graph(tf.function(attention, jit_compile=True).get_concrete_function(*self.specs).graph)
+        graph, (reason,), done = self.trace()
+        figure = tf_memsafe.memory_footprint(attention, *self.specs, rewrite=False)
+        assert format_graph(graph) == plain and done == []
+        assert reason.startswith("already within the limit") and f"(memory model; XLA's figure {figure:,} B)" in reason
+
+    def test_over_by_xlas_figure_is_split_against_the_scaled_limit(self, monkeypatch):
+        from tf_memsafe import memory
+
+        monkeypatch.setattr(memory, "graph_bytes", lambda graph: 2 * LIMIT)   # as if XLA needed twice the limit
+        q, k, v = (points(1000, 64, seed=s) for s in range(3))
+        expected = tf.function(attention, jit_compile=True)(q, k, v)
+        graph, reasons, done = self.trace()
+        (checked,) = [r for r in reasons if "XLA's figure for the program as written" in r]
+        model = int(re.search(r"model's ([\d,]+) B", checked).group(1).replace(",", ""))
+        assert f"is {2 * LIMIT:,} B: planned against {LIMIT * model // (2 * LIMIT):,} B" in checked
+        assert len(done) == 1
+        tf_memsafe.enable(LIMIT, strict=True)
+        with splitter_only():
+            got = tf.function(attention, jit_compile=True)(q, k, v)
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+    def test_off_or_failed_the_models_word_stands(self, monkeypatch):
+        from tf_memsafe import memory
+
+        calls = []
+        monkeypatch.setattr(memory, "graph_bytes", lambda graph: calls.append(graph) or 2 * LIMIT)
+        _, (reason,), done = self.trace(check_programs=False)
+        assert calls == [] and done == [] and reason.endswith("(memory model)")
+
+        def fail(graph):
+            raise memory.MeasurementError("no report")
+
+        monkeypatch.setattr(memory, "graph_bytes", fail)
+        _, (reason,), done = self.trace()
+        assert done == [] and "(memory model; not checked with XLA: MeasurementError: no report)" in reason
+
+    def test_far_below_the_limit_is_not_compiled(self, monkeypatch):
+        from tf_memsafe import memory
+
+        calls = []
+        monkeypatch.setattr(memory, "graph_bytes", lambda graph: calls.append(graph) or 2 * LIMIT)
+        tf_memsafe.enable(LIMIT, strict=True)
+        with splitter_only():
+            tf.function(knn_l2, jit_compile=True).get_concrete_function(tf.TensorSpec([300, 3]),
+                                                                        tf.TensorSpec([400, 3]))
+        assert calls == [] and [r.reason for r in skips()][0].endswith("(memory model)")
+
+
 def test_impossible_limit_gets_the_best_effort_and_a_warning():
     """Attention over L = 3000 (36 MB of scores) under 2 MB: the inputs and output alone (3 MB)
     exceed it, so the limit cannot be met; the splitter still cuts the scores to a small part of
