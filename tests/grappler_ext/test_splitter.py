@@ -490,6 +490,31 @@ class TestProgramsCheckedWithXla:
         _, (reason,), done = self.trace()
         assert done == [] and "(memory model; not checked with XLA: MeasurementError: no report)" in reason
 
+    def test_after_a_split_the_models_word_is_checked_too(self, monkeypatch):
+        """Two attentions, over 1300 and 1000 queries: the model counts the program within the limit
+        once the larger is split; if XLA's figure says otherwise, the other is split as well."""
+        from tf_memsafe import memory
+
+        def two(q, k, v, a, b, c):
+            return tf.reduce_sum(attention(q, k, v)) + tf.reduce_sum(attention(a, b, c))
+
+        specs = (tf.TensorSpec([1300, 64]),) * 3 + (tf.TensorSpec([1000, 64]),) * 3
+
+        def splits():
+            hook.clear_reports()
+            tf_memsafe.enable(LIMIT, strict=True)
+            with splitter_only():
+                tf.function(two, jit_compile=True).get_concrete_function(*specs)
+            tf_memsafe.disable()
+            return len(rewrites()), [r.reason for r in skips()]
+
+        trusted, _ = splits()
+        assert trusted == 1
+        monkeypatch.setattr(memory, "graph_bytes", lambda graph: 2 * LIMIT)
+        checked, reasons = splits()
+        assert checked == 2 and any(r.startswith("with 1 loop the memory model counts") and
+                                    f"XLA's figure is {2 * LIMIT:,} B" in r for r in reasons), reasons
+
     def test_far_below_the_limit_is_not_compiled(self, monkeypatch):
         from tf_memsafe import memory
 
