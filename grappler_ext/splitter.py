@@ -463,6 +463,18 @@ class Splitter(GraphPass):
                 f"tf_memsafe: `{graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
                 f"{_mb(limit)}{scaled}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
                 "that op's input in smaller pieces.", RuntimeWarning, stacklevel=2)
+        elif not trust_model:
+            # XLA's figure was over the limit where the model's count was not: measured once more
+            # as split, the user hears of it if it still is.
+            figure = self._program_figure(graph, options, max(after or 0, int(CHECK_FROM * limit)), limit)
+            if isinstance(figure, int) and figure > options.memory_limit_bytes:
+                result.skip([], f"XLA's figure as split is {figure:,} B, over the limit of "
+                                f"{options.memory_limit_bytes:,} B, with nothing left to split")
+                warnings.warn(
+                    f"tf_memsafe: `{graph.name}` needs {_mb(figure)} by XLA's figure as split, over its limit of "
+                    f"{_mb(options.memory_limit_bytes)}, though the memory model counts {_mb(after)}; nothing left "
+                    "in it can be split usefully. It will run as well as it can; raise memory_limit.",
+                    RuntimeWarning, stacklevel=2)
         return result
 
     @staticmethod
