@@ -364,7 +364,7 @@ class Splitter(GraphPass):
             result.skip([], f"{shown}: left as they are; the rest needs at least {at_least:,} B, so the static "
                             "tensors over the limit are split")
         elif est.peak_bytes is not None and est.peak_bytes <= limit * MODEL_TRUST:
-            figure = self._program_figure(graph, options, est.peak_bytes, limit)
+            figure = self._program_figure(graph, options) if est.peak_bytes >= CHECK_FROM * limit else ""
             if isinstance(figure, str) or figure <= limit:
                 measured = f"; XLA's figure {figure:,} B" if isinstance(figure, int) else figure
                 result.skip([], f"already within the limit: about {est.peak_bytes:,} B of {limit:,} B "
@@ -434,7 +434,7 @@ class Splitter(GraphPass):
                 if after <= limit * MODEL_TRUST and trust_model:      # as a program left alone must
                     # Checked with XLA like a program left alone; if over, the model's word is not
                     # taken again: every large tensor left is split.
-                    figure = self._program_figure(graph, options, after, limit)
+                    figure = self._program_figure(graph, options) if after >= CHECK_FROM * limit else ""
                     if not isinstance(figure, int) or figure <= options.memory_limit_bytes:
                         break
                     trust_model = False
@@ -466,7 +466,7 @@ class Splitter(GraphPass):
         elif not trust_model:
             # XLA's figure was over the limit where the model's count was not: measured once more
             # as split, the user hears of it if it still is.
-            figure = self._program_figure(graph, options, max(after or 0, int(CHECK_FROM * limit)), limit)
+            figure = self._program_figure(graph, options)
             if isinstance(figure, int) and figure > options.memory_limit_bytes:
                 result.skip([], f"XLA's figure as split is {figure:,} B, over the limit of "
                                 f"{options.memory_limit_bytes:,} B, with nothing left to split")
@@ -478,10 +478,10 @@ class Splitter(GraphPass):
         return result
 
     @staticmethod
-    def _program_figure(graph, options, model_bytes: int, limit: int) -> int | str:
-        """XLA's figure for the whole program as it stands (compiled, never run), when the model
-        puts it within the limit but above ``CHECK_FROM`` of it; else why it was not measured."""
-        if not getattr(options, "check_programs", False) or model_bytes < CHECK_FROM * limit:
+    def _program_figure(graph, options) -> int | str:
+        """XLA's figure for the whole program as it stands (compiled, never run), or why it was not
+        measured ("" with ``Options.check_programs`` off)."""
+        if not getattr(options, "check_programs", False):
             return ""
         try:
             from tf_memsafe import memory  # tf_memsafe owns XLA_FLAGS, and so the measurement

@@ -19,6 +19,7 @@ import os
 import re
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 from tf_memsafe import _tf_internals, hook, xla_flags
 from tf_memsafe.errors import TfMemsafeError
@@ -126,8 +127,6 @@ def graph_bytes(graph) -> int:
     XLA's scheduler interleaves independent branches).  Raises ``MeasurementError`` when the graph
     has no outputs or an input without a static shape.
     """
-    from tensorflow.core.framework import graph_pb2
-
     outputs = [t for t in getattr(graph, "outputs", []) if t is not None]
     if not outputs:
         raise MeasurementError(f"`{graph.name}` has no outputs to compile")
