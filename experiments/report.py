@@ -390,6 +390,8 @@ def section(exp: Experiment, path: str | None, data: dict | None, outcome: Outco
         exists = importlib.util.find_spec(exp.module) is not None
         return lines + [f"not run: `{command(exp, out, quick)}`"
                         + ("" if exists else f" (module {exp.module} does not exist yet)"), ""], problem
+    if data.get("note"):
+        lines += [f"Note on this run: {data['note']}", ""]      # how the results were put together
     try:
         lines += exp.summarise(data)
     except Exception as e:  # noqa: BLE001 -- a JSON file this report cannot read is reported, not fatal

@@ -63,7 +63,7 @@ def results(tmp_path):
     """A results folder with every experiment but kernel matvec and SGPR, and a (fake) kNN plot."""
     _results.write_outputs(knn_rows(), knn.Row, str(tmp_path / "knn"),
                            {"tensorflow": "2.21.0", "cpus": 2, "quick": False, "limit_bytes": 2_000_000,
-                            "queries": 300, "k": 10})
+                            "queries": 300, "k": 10, "note": "the l1 rows are from a second run"})
     (tmp_path / "knn.png").write_bytes(b"not really a png")
     write_overhead(tmp_path)
     bench = [row(bench_rewrites.Row, workload="knn_d64", config=config, footprint_bytes=size, seconds=s,
@@ -94,6 +94,7 @@ def test_summary_only_builds_every_section_from_the_json_files(results):
     assert "| l2 | uniform | 3 | 1e3 | 1,000 | 800 | 1,000 | - (pykeops unavailable) | 50 |" in text
     assert "| **0.80** | - |" in text and "4.66 GiB (over)" in text and "- mnist: no prepared files" in text
     assert "tf_memsafe >= 0.95 x the hand-written loop at 1 of 2 sizes" in text and "![kNN](knn.png)" in text
+    assert "Note on this run: the l1 rows are from a second run" in text      # the JSON's note, when it has one
     # Overhead: the time ratio where the program fits misses its target; the note's first clause.
     assert "| knn | N = M = 4000 | fits | forward | 64 MiB | 64 MiB | 128 MiB | yes | 0 | **1.50** | - |  |" in text
     assert "| kernel_matvec | kernel regression | fits | training | 32 MiB | 32 MiB | 64 MiB | yes | 0 | 1.08 |" in text
