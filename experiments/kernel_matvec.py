@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     ratios, reach = summary(rows)
     m.write_outputs(rows, Row, stem, {**m.machine(), "quick": quick, "limit_bytes": limit,
                                      "run_limit_bytes": run_limit, "time_budget_s": settings.budget.seconds,
-                                     "result_rows": n_rows, "columns": args.columns,
+                                     "repeats": settings.repeats, "result_rows": n_rows, "columns": args.columns,
                                      "targets": {"tf_memsafe_vs_hand_min": TARGET_SPEED},
                                      "speed": ratios, "reach": reach})
     plot(rows, stem + ".png", limit)

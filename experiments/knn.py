@@ -432,7 +432,8 @@ def main(argv=None) -> int:
     stem = os.path.join(args.out, "knn")
     ratios, reach = summary(rows)
     m.write_outputs(rows, Row, stem, {**m.machine(), "quick": quick, "limit_bytes": limit, "run_limit_bytes": run_limit,
-                                     "time_budget_s": settings.budget.seconds, "queries": queries, "k": args.k,
+                                     "time_budget_s": settings.budget.seconds, "repeats": settings.repeats,
+                                     "queries": queries, "k": args.k,
                                      "targets": {"tf_memsafe_vs_hand_min": TARGET_SPEED},
                                      "speed": ratios, "reach": reach})
     plot(rows, stem + ".png", limit)
