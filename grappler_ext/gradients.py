@@ -12,6 +12,8 @@ rewrites the forward can
 2. after rewriting, differentiate the rewritten forward again in the same graph with
    ``tf.gradients`` and rewire every reader of the old gradients to the new ones
    (:func:`rebuild`); the old backward ops, and with them the old forward tensors, become dead.
+   Both changes to the records are journaled (:func:`grappler_ext.graph_edit.on_undo`): undoing a
+   pass's edits restores what the records name.
 
 The rewritten forward's own gradients (the splitter's ``custom_gradient`` loops) then compute the
 backward slice by slice.  A result may be a dense tensor, ``None`` (an unconnected source) or
@@ -108,7 +110,10 @@ def rebuildable(graph) -> tuple[bool, str]:
 def retarget(graph, old: tf.Tensor, new: tf.Tensor) -> None:
     """A pass replaced ``old`` by ``new``: records that differentiate ``old`` now differentiate ``new``."""
     for record in records(graph):
-        record.targets = [new if t is old else t for t in record.targets]
+        if any(t is old for t in record.targets):
+            before = record.targets
+            record.targets = [new if t is old else t for t in before]
+            graph_edit.on_undo(lambda record=record, before=before: setattr(record, "targets", before))
 
 
 def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
@@ -138,6 +143,7 @@ def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
             for o, f in zip(_components(old), _components(fresh)):
                 graph_edit.replace_uses(o, f)
             record.results[i] = fresh
+            graph_edit.on_undo(lambda results=record.results, i=i, old=old: results.__setitem__(i, old))
         done += 1
     return done
 

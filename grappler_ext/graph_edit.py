@@ -9,7 +9,10 @@ and a ``FuncGraph`` can change its outputs.  A pass therefore
    change *before* the first mutation.
 
 Every mutation goes to the thread's active :class:`Journal` (the pipeline opens one per run), so a
-failure anywhere later undoes the run exactly.  Ops built and then abandoned stay in the graph but
+failure anywhere later undoes the run exactly; a pass can also undo its own edits back to a mark
+(the splitter plans again when XLA's figure of its first plan is over the limit), and state kept
+beside the graph (the gradients recorded inside a function) registers its own undo with
+:func:`on_undo`.  Ops built and then abandoned stay in the graph but
 are unreachable from its outputs; TensorFlow's function runtime and XLA prune them (measured:
 a dead [4000, 4000] matmul adds nothing to XLA's "Total bytes used"), and
 :func:`grappler_ext.printer.format_graph` hides them by default.
@@ -20,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import tensorflow as tf
 
 __all__ = [
-    "GENERATED_SCOPE", "Journal", "journaled", "building", "replace_uses", "rewire_input",
-    "set_output", "ancestors", "consumers", "EditError", "is_generated",
+    "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "on_undo", "building", "replace_uses",
+    "rewire_input", "set_output", "ancestors", "consumers", "EditError", "is_generated",
 ]
 
 GENERATED_SCOPE = "tf_memsafe"  # Name scope of every op tf_memsafe builds: marks what we generated.
@@ -57,6 +60,11 @@ class _OutputEdit:
     old_structured: object
 
 
+@dataclasses.dataclass
+class _CallbackEdit:
+    undo: Callable[[], None]
+
+
 class Journal:
     """The mutations made to graphs in one pipeline run, in order; :meth:`undo` reverts them."""
 
@@ -69,12 +77,15 @@ class Journal:
     def record(self, edit) -> None:
         self._edits.append(edit)
 
-    def undo(self) -> None:
-        """Revert every recorded edit, newest first."""
-        while self._edits:
+    def undo(self, to: int = 0) -> None:
+        """Revert the recorded edits, newest first, until ``to`` of them are left (a ``len()`` taken
+        earlier: the edits made since; by default all)."""
+        while len(self._edits) > to:
             edit = self._edits.pop()
             if isinstance(edit, _InputEdit):
                 edit.op._update_input(edit.index, edit.old)  # noqa: SLF001 - the one rewiring API
+            elif isinstance(edit, _CallbackEdit):
+                edit.undo()
             else:
                 edit.graph.outputs[edit.index] = edit.old
                 edit.graph.structured_outputs = edit.old_structured
@@ -94,10 +105,20 @@ def journaled(journal: Journal) -> Iterator[Journal]:
         _local.journal = previous
 
 
+def active_journal() -> Journal | None:
+    """The journal this thread's edits go to, if any."""
+    return getattr(_local, "journal", None)
+
+
 def _record(edit) -> None:
-    journal = getattr(_local, "journal", None)
+    journal = active_journal()
     if journal is not None:
         journal.record(edit)
+
+
+def on_undo(undo: Callable[[], None]) -> None:
+    """Journal a change made beside the graph: ``undo()`` reverts it when the journal is undone."""
+    _record(_CallbackEdit(undo))
 
 
 @contextlib.contextmanager

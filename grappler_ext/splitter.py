@@ -53,6 +53,12 @@ program is split against the limit scaled by the model's share of that figure.  
 model puts a program within the limit after some of its large tensors were split: if XLA's figure
 says otherwise, every large tensor left is split too (a Transformer's training step at L = 2048:
 six of its twelve attentions split by the model's count, 2.02 GB by XLA's; all twelve, 1.04 GB).
+The program as split is compiled too, unless it was within the limit at that check, far below it
+by the model's count, or its one loop was sized by compiling it as the whole program; if XLA's
+figure is over the limit, the edits are undone (the journal of :mod:`grappler_ext.graph_edit`,
+gradient records included) and the program is split again against the planning limit scaled by
+limit / figure (``REPLAN_MARGIN``, ``REPLANS``), which gives smaller chunks where the loops are
+what is over; a plan no better than the best so far returns to the best, and the user is warned.
 
 Chunk sizes from XLA's figure (``Options.calibrate_chunks``): the memory model plans first, with
 margins; then the loop is compiled alone (never run) at two chunk sizes, and the difference of the
@@ -88,7 +94,7 @@ from grappler_ext.pipeline import register_pass
 from grappler_ext.split_loop import Region, build_split, external_inputs, forward_program
 from grappler_ext.verifier import live_ops, topological_order
 
-__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN"]
+__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN", "REPLAN_MARGIN", "REPLANS"]
 
 # The memory model is an estimate (its ratio to XLA's figure stays in [0.7, 1.1] over the test
 # workloads): a slice's modelled bytes are divided by this before planning.  The fixed part
@@ -119,6 +125,10 @@ WHOLE_PROGRAM_MARGIN = 0.95
 # topological order, while XLA's scheduler may interleave independent branches (a Transformer's
 # encoder and decoder self-attention: 2.2 GB measured for the model's 1.1 GB).
 CHECK_FROM = 0.3
+# A program whose split, by XLA's figure, is still over the limit is split again against the planning
+# limit scaled by limit / figure and by this margin, at most REPLANS times.
+REPLAN_MARGIN = 0.95
+REPLANS = 2
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
 _REDUCTIONS = frozenset(combiners.REDUCTION_COMBINERS)
@@ -389,6 +399,62 @@ class Splitter(GraphPass):
                 result.skip([], f"{why}; the largest tensor left with the inputs and outputs, {floor:,} B, is "
                                 f"within the limit of {limit:,} B")
                 return result
+        if graph_edit.active_journal() is None:
+            # Run outside a pipeline: the pass keeps a journal of its own, to plan again.
+            with graph_edit.journaled(graph_edit.Journal()):
+                return self._split(graph, options, est, info, limit, result)
+        return self._split(graph, options, est, info, limit, result)
+
+    def _split(self, graph, options, est, info, limit, result) -> PassResult:
+        """Split the large tensors planning against ``limit``; while XLA's figure for the program as
+        split is over the user's limit, undo and plan again against a lower one (``REPLANS`` times
+        at most), keeping the best plan."""
+        journal = graph_edit.active_journal()
+        wanted = options.memory_limit_bytes
+        best = None                 # (XLA's figure, the planning limit) of the best plan measured
+        for attempt in range(REPLANS + 1):
+            mark = len(journal)
+            tried = PassResult(self.name)
+            after, measured = self._split_large(graph, options, est, info, limit, tried)
+            if measured is None or measured <= wanted:
+                break
+            if best is not None and measured >= best[0]:
+                # Smaller chunks did not help (what is over is not in a loop): the best plan again.
+                journal.undo(to=mark)
+                result.skip([], f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
+                                f"planned against {best[1]:,} B again")
+                limit = best[1]
+                tried = PassResult(self.name)
+                after, measured = self._split_large(graph, options, est, info, limit, tried)
+                break
+            best = (measured, limit)
+            if attempt == REPLANS:
+                break
+            # XLA packs the loops beside the rest of the program less tightly than the model counts:
+            # the planning limit scaled by the share XLA's figure is over.
+            lower = int(limit * wanted / measured * REPLAN_MARGIN)
+            loops = f"{len(tried.rewritten)} loop{'s' if len(tried.rewritten) > 1 else ''}"
+            journal.undo(to=mark)
+            result.skip([], f"planned against {limit:,} B, with {loops} XLA's figure is {measured:,} B, over the "
+                            f"limit of {wanted:,} B: planned again against {lower:,} B")
+            limit = lower
+        result.records += tried.records
+        if measured is not None and measured > wanted:
+            result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
+                            "nothing left to split")
+            warnings.warn(
+                f"tf_memsafe: `{graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
+                f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
+                "usefully. It will run as well as it can; raise memory_limit.", RuntimeWarning, stacklevel=3)
+        return result
+
+    def _split_large(self, graph, options, est, info, limit, result) -> tuple[int | None, int | None]:
+        """One plan: split the program's large tensors, largest first, planning against ``limit``;
+        warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
+        nothing split) and XLA's figure for the program as split, where it was worth measuring and
+        not measured within the limit already (``None`` otherwise)."""
+        self._loop_bytes: dict[str, int] = {}
+        self._program_sized = 0      # loops sized by compiling them as the whole program (_fitted)
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
@@ -413,6 +479,7 @@ class Splitter(GraphPass):
         done: set = set()
         after = None          # the model's bytes after the latest rewrite (the graph changes only there)
         trust_model = True    # stop once the model puts the program within the limit
+        checked = False       # XLA's figure for the program as split measured, within the limit
         # Each region plans beside what the rest of the program holds while it runs, counting the large
         # tensors not yet tried as split too (their own regions will plan beside this one's loop).
         self._step_of = {step.op: i for i, step in enumerate(est.schedule)}
@@ -436,6 +503,7 @@ class Splitter(GraphPass):
                     # taken again: every large tensor left is split.
                     figure = self._program_figure(graph, options) if after >= CHECK_FROM * limit else ""
                     if not isinstance(figure, int) or figure <= options.memory_limit_bytes:
+                        checked = isinstance(figure, int)
                         break
                     trust_model = False
                     loops = f"{len(result.rewritten)} loop{'s' if len(result.rewritten) > 1 else ''}"
@@ -462,20 +530,15 @@ class Splitter(GraphPass):
             warnings.warn(
                 f"tf_memsafe: `{graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
                 f"{_mb(limit)}{scaled}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
-                "that op's input in smaller pieces.", RuntimeWarning, stacklevel=2)
-        elif not trust_model:
-            # XLA's figure was over the limit where the model's count was not: measured once more
-            # as split, the user hears of it if it still is.
-            figure = self._program_figure(graph, options)
-            if isinstance(figure, int) and figure > options.memory_limit_bytes:
-                result.skip([], f"XLA's figure as split is {figure:,} B, over the limit of "
-                                f"{options.memory_limit_bytes:,} B, with nothing left to split")
-                warnings.warn(
-                    f"tf_memsafe: `{graph.name}` needs {_mb(figure)} by XLA's figure as split, over its limit of "
-                    f"{_mb(options.memory_limit_bytes)}, though the memory model counts {_mb(after)}; nothing left "
-                    "in it can be split usefully. It will run as well as it can; raise memory_limit.",
-                    RuntimeWarning, stacklevel=2)
-        return result
+                "that op's input in smaller pieces.", RuntimeWarning, stacklevel=4)
+            return after, None
+        if after is None or checked or (trust_model and after < CHECK_FROM * limit) or (
+                self._program_sized and self._program_sized == len(result.rewritten)):
+            # Nothing split, measured within the limit already, far below it by the model's count, or
+            # every loop sized by compiling it as the whole program.
+            return after, None
+        figure = self._program_figure(graph, options)
+        return after, figure if isinstance(figure, int) else None
 
     @staticmethod
     def _program_figure(graph, options) -> int | str:
@@ -719,6 +782,7 @@ class Splitter(GraphPass):
             except Exception:  # noqa: BLE001 - the margins' plan below stands
                 fitted = None
             if fitted is not None:
+                self._program_sized += 1
                 return fitted
         planned = self._plan(options, grown, info, est, budget, backward, measured=per_row)
         if isinstance(planned, str):

@@ -19,6 +19,7 @@ import tf_memsafe
 from grappler_ext import gradients
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.splitter import Splitter
+from grappler_ext.verifier import live_ops
 from tf_memsafe import hook
 
 LIMIT = 16 * 10**6
@@ -70,6 +71,33 @@ def test_loss_and_gradients_equal_with_the_tape_inside(jit):
         got = tf.function(model.loss_and_grads, jit_compile=jit)(X, Y, TARGET)
     (record,) = rewrites()
     assert record.reason.endswith("1 gradient inside the function rebuilt")
+    for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
+        np.testing.assert_allclose(g, e, rtol=1e-10)
+
+
+def test_planned_again_the_gradients_are_rebuilt_from_the_second_plan(monkeypatch):
+    """XLA's figure for the first plan (faked) is over the limit: its loop and its rebuilt gradients
+    are undone (the records name the traced gradients again) and the step is split once more,
+    with the gradients rebuilt through the new loop only."""
+    from tf_memsafe import memory
+
+    model = Model()
+    expected = tf.function(model.loss_and_grads, jit_compile=True)(X, Y, TARGET)
+    figures = iter([2 * LIMIT, 2 * LIMIT])
+    monkeypatch.setattr(memory, "graph_bytes", lambda graph: next(figures, LIMIT // 2))
+    tf_memsafe.enable(LIMIT, strict=True)
+    with splitter_only():
+        fn = tf.function(model.loss_and_grads, jit_compile=True)
+        graph = fn.get_concrete_function(X, Y, TARGET).graph
+        got = fn(X, Y, TARGET)
+    reasons = [r.reason for rep in tf_memsafe.reports() for r in rep.records]
+    assert any("planned again against" in r for r in reasons), reasons
+    (record,) = rewrites()
+    assert record.reason.endswith("1 gradient inside the function rebuilt")
+    (traced,) = gradients.records(graph)
+    live = live_ops(graph)                  # what the records name is what the function computes
+    assert all(t.op in live for t in traced.targets + traced.results)
+    assert all(t.op.name.startswith("tf_memsafe/splitter") for t in traced.results)
     for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
         np.testing.assert_allclose(g, e, rtol=1e-10)
 

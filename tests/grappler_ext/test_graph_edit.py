@@ -89,6 +89,28 @@ class TestJournal:
         assert g.outputs[0] is out
         assert tf.nest.flatten(g.structured_outputs)[0] is out
 
+    def test_undo_to_a_mark_keeps_the_earlier_edits_and_runs_undo_callbacks(self):
+        g, sin = exp_of_sin()
+        out = g.outputs[0]
+        state = {"targets": "old"}
+        journal = Journal()
+        with journaled(journal):
+            assert graph_edit.active_journal() is journal
+            with graph_edit.building(g, "test"):
+                a = sin + 1.0
+                b = tf.identity(out)
+            graph_edit.replace_uses(sin, a)
+            mark = len(journal)
+            graph_edit.replace_uses(out, b)
+            state["targets"] = "new"
+            graph_edit.on_undo(lambda: state.__setitem__("targets", "old"))
+        assert graph_edit.active_journal() is None
+        journal.undo(to=mark)
+        assert len(journal) == mark and state["targets"] == "old"
+        assert g.outputs[0] is out and op_of_type(g, "Exp").inputs[0] is a     # the first edit stays
+        journal.undo()
+        assert op_of_type(g, "Exp").inputs[0] is sin
+
     def test_edits_outside_a_journal_are_not_recorded(self):
         g, sin = exp_of_sin()
         journal = Journal()
