@@ -3,7 +3,7 @@
     python -m experiments.sgpr [--quick] [--out experiments/results] [--limit 1GB] [--run-limit 8GB]
         [--sizes 1e4 3e4 1e5 3e5 1e6] [--inducing 500 1000 2000] [--kernels se matern32]
         [--data PATH] [--train | --no-train] [--train-max-n 1e4] [--maxiter 50] [--repeats 3] [--seed 0]
-        [--test-points T]
+        [--test-points T] [--resume]
 
 The model is ``gpflow.models.SGPR`` as GPflow ships it, float64, with a ``SquaredExponential``
 (``se``) or ``Matern32`` (``matern32``) kernel with ARD lengthscales (initially ones), the inducing
@@ -51,6 +51,11 @@ run: the note says so.
   ELBO 5e-6 apart), so the naive programs are also evaluated at tf_memsafe's trained parameters
   (``same_params_*``: loss to 1e-8, gradient, RMSE, NLPD as above; ``same_params_check``).
 
+The full sweep takes hours on 2 cores (at N = 1e6 one loss-and-gradient evaluation takes minutes):
+the results are written after every point, and ``--resume`` keeps the points an earlier run with
+the same settings left in ``--out`` (failed points are measured again; the JSON's ``note`` says how
+many were carried over), so a sweep can be run in parts.
+
 Results: ``sgpr.csv``, ``sgpr.json`` and ``sgpr.png`` (footprints against N on log axes with the
 limit, naive measured and model-predicted marked apart; seconds per loss-and-gradient against N;
 RMSE and NLPD against M) in ``--out``, and a table on stdout.  ``--quick``: the se kernel, N 2000
@@ -67,6 +72,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import sys
 import time
@@ -651,6 +657,22 @@ def plot(rows: list[Row], path: str, limit: int, title: str) -> None:
     plt.close(fig)
 
 
+def carried_over(path: str, meta: dict) -> list[Row] | str:
+    """The rows of an earlier run at ``path`` made with the same settings (``meta``), less the points
+    that failed (measured again); or why they cannot be kept.  No file: no rows."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        earlier = json.load(f)
+    differ = [f"{k} {earlier.get(k)!r} there, {v!r} here" for k, v in meta.items() if earlier.get(k) != v]
+    if differ:
+        return (f"--resume: {path} was written with other settings ({'; '.join(differ)}): run with its settings, "
+                "or write to another --out")
+    names = {f.name for f in dataclasses.fields(Row)}
+    rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in earlier.get("rows", [])]
+    return [r for r in rows if not r.skipped or r.skipped.startswith("M = ")]
+
+
 def restore(previous: tf_memsafe.Options | None) -> None:
     """Enable tf_memsafe again with ``previous`` options, if it was enabled before ``main``."""
     if previous is None:
@@ -683,6 +705,9 @@ def main(argv=None) -> int:
                         help="T, test points per size (default: 10 %% of the data set, N / 9); predictions over "
                              "T = 1e6 are the issue's target")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the points already in --out's sgpr.json (written with the same settings) and "
+                             "measure only the others; results are written after every point either way")
     args = parser.parse_args(argv)
     quick = args.quick
     limit = tf_memsafe.parse_memory_limit(args.limit or ("3MB" if quick else "1GB")).resolve(0)
@@ -710,29 +735,44 @@ def main(argv=None) -> int:
                                         f"{args.test_points or 'N/9'} rows per size")
         tables = lambda n: road_network(n + (args.test_points or held_out_rows(n)), args.seed)
     sizes = sorted(set(sizes))
+    stem = os.path.join(args.out, "sgpr")
+    meta = {"quick": quick, "limit_bytes": limit, "run_limit_bytes": run_limit, "data": source, "seed": args.seed,
+            "maxiter": settings.maxiter, "train_max_n": settings.train_max_n if settings.train else 0,
+            "repeats": settings.repeats, "test_points": args.test_points}
+    rows = carried_over(stem + ".json", meta) if args.resume else []
+    if isinstance(rows, str):
+        parser.error(rows)
+    carried = len(rows)
+    done = {(r.kernel, r.n, r.m) for r in rows}
+    order = lambda r: (r.n, kernels.index(r.kernel) if r.kernel in kernels else len(kernels), r.m)
+
+    def write() -> None:
+        rows.sort(key=order)
+        note = (f"{carried} of the {len(rows)} points were carried over from an earlier run with the same settings "
+                "(--resume)" if carried else "")
+        m.write_outputs(rows, Row, stem, {**m.machine(), **meta, "tolerances": TOLERANCES, "reach": reach(rows),
+                                         **({"note": note} if note else {})})
+
     previous = tf_memsafe.get_options() if tf_memsafe.is_enabled() else None
     tf_memsafe.disable()   # the naive programs must be traced as written; each point enables it for itself
-    rows: list[Row] = []
+    todo = [(n, kernel, m_inducing) for n in sizes for kernel in kernels for m_inducing in inducing
+            if (kernel, n, m_inducing) not in done]
     try:
         with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)), \
-                tqdm(total=len(sizes) * len(kernels) * len(inducing), desc="sgpr") as bar:
-            for n in sizes:
+                tqdm(total=len(todo), desc="sgpr") as bar:
+            for n in sorted({n for n, _, _ in todo}):
                 split = prepare(tables(n), n, args.seed, args.test_points)
-                for kernel in kernels:
-                    for m_inducing in inducing:
-                        bar.set_postfix_str(f"{kernel} N={m.fmt_n(n)} M={m_inducing}")
-                        rows.append(measure(split, data, kernel, m_inducing, settings))
-                        gc.collect()
-                        bar.update()
+                for _, kernel, m_inducing in [t for t in todo if t[0] == n]:
+                    bar.set_postfix_str(f"{kernel} N={m.fmt_n(n)} M={m_inducing}")
+                    rows.append(measure(split, data, kernel, m_inducing, settings))
+                    write()                # a sweep stopped part-way keeps its points (see --resume)
+                    gc.collect()
+                    bar.update()
                 del split
                 gc.collect()
     finally:
         restore(previous)
-    stem = os.path.join(args.out, "sgpr")
-    m.write_outputs(rows, Row, stem, {**m.machine(), "quick": quick, "limit_bytes": limit, "run_limit_bytes": run_limit,
-                                     "data": source, "seed": args.seed, "maxiter": settings.maxiter,
-                                     "train_max_n": settings.train_max_n if settings.train else 0,
-                                     "repeats": settings.repeats, "tolerances": TOLERANCES, "reach": reach(rows)})
+    write()
     plot(rows, stem + ".png", limit,
          f"GPflow SGPR (float64, ARD) on {data}: tf_memsafe limit {m.fmt_bytes(limit)}; XLA:CPU, "
          f"{os.cpu_count()} cores")

@@ -177,3 +177,22 @@ def test_table_and_plot_show_model_estimates_failures_and_skipped_points(tmp_pat
     assert "1 of 1" in text.splitlines()[-1]
     sgpr.plot(rows, str(tmp_path / "p.png"), 10**9, "title")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_resume_keeps_the_points_of_an_earlier_run_with_the_same_settings(tmp_path):
+    """--resume: points already in sgpr.json are kept, failed ones measured again, and a file written
+    with other settings is refused.  (M > N points: nothing is compiled.)"""
+    quick = ["--quick", "--sizes", "2000", "--out", str(tmp_path)]
+    assert sgpr.main(quick + ["--inducing", "5000", "6000"]) == 0
+    stored = json.loads((tmp_path / "sgpr.json").read_text())
+    kept, failed = stored["rows"]
+    kept.update(m=50, skipped="", tf_memsafe_s=1.25)           # as if measured
+    failed.update(skipped="tf_memsafe failed: RuntimeError: out of memory")
+    (tmp_path / "sgpr.json").write_text(json.dumps(stored))
+    assert sgpr.main(quick + ["--inducing", "50", "6000", "--resume"]) == 0
+    data = json.loads((tmp_path / "sgpr.json").read_text())
+    assert [(r["m"], r["tf_memsafe_s"], r["skipped"]) for r in data["rows"]] == [
+        (50, 1.25, ""), (6000, None, "M = 6000 > N = 2000")]
+    assert data["note"].startswith("1 of the 2 points were carried over")
+    with pytest.raises(SystemExit):
+        sgpr.main(quick + ["--inducing", "50", "--resume", "--limit", "4MB"])
