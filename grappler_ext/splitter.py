@@ -43,6 +43,8 @@ the gradients hold its tensors from the forward to the backward (a Transformer's
 holds every layer's attention scores).  Such a region is split into two steps at least: its
 rebuilt gradient recomputes the tensors instead of holding them (rematerialisation), and
 candidates are ranked by the bytes that frees, less the inputs the loop's gradient must keep.
+With gradients inside, a slice also takes at most ``SLICE_SHARE`` of the limit: the activations
+held for the backward, and XLA's layout copies of them, are more than the model counts.
 
 Programs checked with XLA (``Options.check_programs``): the model schedules the program in one
 topological order, while XLA's scheduler may interleave independent branches (a Transformer's
@@ -94,7 +96,8 @@ from grappler_ext.pipeline import register_pass
 from grappler_ext.split_loop import Region, build_split, external_inputs, forward_program
 from grappler_ext.verifier import live_ops, topological_order
 
-__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN", "REPLAN_MARGIN", "REPLANS"]
+__all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN", "REPLAN_MARGIN", "REPLANS",
+           "SLICE_SHARE"]
 
 # The memory model is an estimate (its ratio to XLA's figure stays in [0.7, 1.1] over the test
 # workloads): a slice's modelled bytes are divided by this before planning.  The fixed part
@@ -129,6 +132,13 @@ CHECK_FROM = 0.3
 # limit scaled by limit / figure and by this margin, at most REPLANS times.
 REPLAN_MARGIN = 0.95
 REPLANS = 2
+# With gradients inside the function, a loop's slice takes at most this share of the budget: the
+# program holds its forward activations for the backward, and XLA keeps layout copies of them the
+# model does not count (a Transformer's training step at L = 4096: 69 tensors of [L, 8, 128] live at
+# XLA's peak where the model counts 48), so the rest beside a loop is more than planned.  A
+# Transformer's training step at L = 4096 under 2 GB, its attention loops in halves of 2048 rows
+# (537 MB a slice by XLA's figure), was 2.08 GB; in quarters of 1024 rows, 1.997 GB.
+SLICE_SHARE = 0.25
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
 _REDUCTIONS = frozenset(combiners.REDUCTION_COMBINERS)
@@ -582,9 +592,8 @@ class Splitter(GraphPass):
                 # the forward to the backward: a loop recomputes them there instead.  Two steps at
                 # least: XLA inlines a loop of one step, and then merges the forward's copy of the
                 # body with the backward's (CSE), holding its tensors all the same.
-                chunk = plan.length // 2
-                plan = ChunkPlan(plan.length, chunk, int(plan.predicted_bytes - (plan.length - chunk) * per_unit))
-                backward_chunk = min(backward_chunk, chunk)
+                plan = _capped(_split_anyway(plan, per_unit), per_unit, budget)
+                backward_chunk = min(backward_chunk, plan.chunk)
             # Plans that meet the limit first; among them, those whose joined result is small (a
             # region reaching on to a reduction, rather than stopping at a large tensor it writes
             # whole: SGPR's K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the
@@ -619,6 +628,11 @@ class Splitter(GraphPass):
             else:
                 plan, per_unit, measured = calibrated
                 backward_chunk = min(backward_chunk, plan.chunk)
+        if backward and not remat:
+            # The program holds its forward activations for the gradients, and XLA's layout copies of
+            # them, beyond the model's count: a slice takes at most a share of the budget.
+            plan = _capped(plan, per_unit, budget)
+            backward_chunk = min(backward_chunk, plan.chunk)
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
         try:
@@ -789,8 +803,8 @@ class Splitter(GraphPass):
             return f"chunk from the memory model (with XLA's figure: {planned})"
         again, _, _, per_unit, _ = planned
         if not again.splits:
-            # XLA's figure says the region fits whole, while the program does not: two steps.
-            again = ChunkPlan(length, length // 2, int(again.predicted_bytes - (length - length // 2) * per_unit))
+            # XLA's figure says the region fits whole, while the program does not.
+            again = _split_anyway(again, per_unit)
         return again, per_unit, f"; chunk from XLA's figure for the loop ({per_row:,.0f} B a row)"
 
     def _rest_beside(self, grown, est, limit, backward) -> int | None:
@@ -1010,6 +1024,25 @@ def _computed(op: tf.Operation) -> tf.Operation:
     while op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
+
+
+def _capped(plan: ChunkPlan, per_unit: float, budget: int) -> ChunkPlan:
+    """``plan`` with slices of at most ``SLICE_SHARE`` of the budget, by the bytes a unit costs."""
+    length, cap = plan.length, SLICE_SHARE * budget
+    if per_unit <= 0 or plan.chunk * per_unit <= cap:
+        return plan
+    smaller = plan_chunks(length, per_unit, 0, int(cap))
+    chunk = smaller.chunk if smaller else 1
+    return ChunkPlan(length, chunk, int(plan.predicted_bytes - (plan.chunk - chunk) * per_unit))
+
+
+def _split_anyway(whole: ChunkPlan, per_unit: float) -> ChunkPlan:
+    """The plan for a region that fits the limit whole but is split all the same (the program as a
+    whole does not fit, or the gradients would hold the region's tensors): two steps at least.
+    XLA inlines a loop of one step, and then merges the forward's copy of the body with the
+    backward's (CSE), holding its tensors all the same."""
+    length, chunk = whole.length, whole.length // 2
+    return ChunkPlan(length, chunk, int(whole.predicted_bytes - (length - chunk) * per_unit))
 
 
 def _top_k(options) -> int:

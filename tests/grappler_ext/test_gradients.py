@@ -205,30 +205,40 @@ def test_layers_that_each_fit_are_split_when_the_gradients_hold_them_all():
     but the gradients hold every layer's until the backward: 9.3 MB in all.  Each layer is then
     split all the same -- a loop of two steps at least (XLA inlines a loop of one step and merges
     its body with the backward's recomputation) -- whose rebuilt gradient recomputes the layer's
-    tensors instead of holding them, and none is split along the one-row batch of a product."""
+    tensors instead of holding them, and none is split along the one-row batch of a product.
+
+    Six layers of softmax attention amplify float32 rounding (gradients up to 1.7e3, the naive
+    float32 program 16 away from float64): the split program is held to the float64 answer as
+    closely as the naive one is."""
     rng = np.random.default_rng(4)
     length, width, layers = 512, 16, 6
-    x = tf.constant(rng.standard_normal((length, width)), tf.float32)
-    weights = [tf.Variable(rng.standard_normal((width, width)) / 4, dtype=tf.float32) for _ in range(3 * layers)]
+    x_values = rng.standard_normal((length, width))
+    weight_values = [rng.standard_normal((width, width)) / 4 for _ in range(3 * layers)]
 
-    def loss_and_grads(x):
-        with tf.GradientTape() as tape:
-            h = x
-            for i in range(layers):
-                w_q, w_k, w_v = weights[3 * i:3 * i + 3]
-                probs = tf.nn.softmax(tf.matmul(h @ w_q, h @ w_k, transpose_b=True), -1)   # [L, L]
-                h = h + probs @ (h @ w_v)
-            loss = tf.reduce_mean(tf.square(h))
-        return loss, tape.gradient(loss, weights)
+    def step(dtype):
+        weights = [tf.Variable(w, dtype=dtype) for w in weight_values]
 
-    naive_fn = tf.function(loss_and_grads, jit_compile=True)
-    expected = naive_fn(x)
+        def loss_and_grads(x):
+            with tf.GradientTape() as tape:
+                h = x
+                for i in range(layers):
+                    w_q, w_k, w_v = weights[3 * i:3 * i + 3]
+                    probs = tf.nn.softmax(tf.matmul(h @ w_q, h @ w_k, transpose_b=True), -1)   # [L, L]
+                    h = h + probs @ (h @ w_v)
+                loss = tf.reduce_mean(tf.square(h))
+            return loss, tape.gradient(loss, weights)
+
+        return tf.function(loss_and_grads, jit_compile=True)
+
+    x = tf.constant(x_values, tf.float32)
+    exact = [np.asarray(e) for e in tf.nest.flatten(step(tf.float64)(tf.constant(x_values)))]
+    naive_fn = step(tf.float32)
     naive = tf_memsafe.memory_footprint(naive_fn, x, rewrite=False)
     limit = naive // 2
     tf_memsafe.enable(limit, strict=True)
     with splitter_only(), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)          # no "cannot meet the limit"
-        fn = tf.function(loss_and_grads, jit_compile=True)
+        fn = step(tf.float32)
         got = fn(x)
     splits = [r for r in rewrites() if r.pass_name == "splitter"]
     assert len(splits) >= layers - 1, [r.reason for r in splits]
@@ -236,8 +246,13 @@ def test_layers_that_each_fit_are_split_when_the_gradients_hold_them_all():
         steps, chunk = (int(v) for v in re.match(r".*: (\d+) x (\d+)", r.reason).groups())
         assert steps >= 2 and r.reason.endswith("1 gradient inside the function rebuilt"), r.reason
     assert tf_memsafe.memory_footprint(fn, x) <= limit < naive
-    for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
-        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(e))))
+
+    def error(result):
+        return max(float(np.max(np.abs(np.asarray(g, np.float64) - e))) for g, e in zip(tf.nest.flatten(result), exact))
+
+    scale = max(float(np.max(np.abs(e))) for e in exact)
+    tf_memsafe.disable()
+    assert error(got) <= 2 * error(naive_fn(x)) + 1e-6 * scale
 
 
 def test_a_best_effort_takes_the_plan_that_leaves_the_least():
