@@ -1,7 +1,7 @@
 """Transformer sequence-length sweep: the tutorial's model, unchanged, naive and under tf_memsafe.
 
     python -m experiments.transformer.sweep [--preset cpu|gpu] [--quick] [--lengths 256 512 ...]
-        [--limit 2GB] [--batch 1] [--modes forward train] [--repeats 3] [--max-run-length N]
+        [--limit 2GB] [--batch 1] [--modes forward train] [--train-lengths ...] [--repeats 3] [--max-run-length N]
         [--data random|ted_hrlr] [--out experiments/results]
 
 For each sequence length L (context and target both L tokens) x {naive, tf_memsafe} x
@@ -323,6 +323,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, help="examples per batch (default: the preset's)")
     parser.add_argument("--num-layers", type=int, help="encoder and decoder layers (default: the preset's)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--train-lengths", type=int, nargs="+",
+                        help="lengths of the training-step cases (default: --lengths; a training step is traced "
+                             "and split for minutes at the longest)")
     parser.add_argument("--repeats", type=int, help="timed calls after the first (default: the preset's)")
     parser.add_argument("--max-run-length", type=int, help="compile and measure longer programs, do not run them "
                         "(default: the preset's; 0: no cap)")
@@ -355,12 +358,14 @@ def main(argv=None) -> int:
     optimizer = tmodel.tutorial_optimizer(config.d_model)
     optimizer.build(model.trainable_variables)
     rows: list[Row] = []
-    with tqdm(total=len(lengths) * len(args.modes) * len(VARIANTS), desc="transformer sweep") as bar:
+    train_lengths = set(args.train_lengths or lengths)
+    cases = [(length, mode) for length in lengths for mode in args.modes if mode != "train" or length in train_lengths]
+    with tqdm(total=len(cases) * len(VARIANTS), desc="transformer sweep") as bar:
         for length in lengths:
             batch_data, data_note = tdata.batches(args.data, batch, length, config.input_vocab_size,
                                                   config.target_vocab_size, data_dir=args.data_dir)
             case = Case(model, optimizer, batch_data, limit)
-            for mode in args.modes:
+            for mode in [mode for at, mode in cases if at == length]:
                 results = {}
                 for variant in VARIANTS:
                     bar.set_postfix_str(f"L={length} {mode} {variant}")
@@ -378,7 +383,9 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(dataclasses.asdict(r) for r in rows)
     meta = {"tensorflow": tf.__version__, "source": source, "preset": preset.name, "quick": args.quick,
-            "model": dataclasses.asdict(config), "batch": batch, "lengths": list(lengths), "limit_bytes": limit,
+            "model": dataclasses.asdict(config), "batch": batch, "lengths": list(lengths),
+            "train_lengths": sorted(train_lengths & set(lengths)) if "train" in args.modes else [],
+            "limit_bytes": limit,
             "repeats": repeats, "max_run_length": cap, "data": data_note, "dropout": "off (rate 0)",
             "longest": longest(rows)}
     with open(stem + ".json", "w", encoding="utf-8") as f:
