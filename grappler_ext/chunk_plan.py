@@ -10,6 +10,8 @@ axis costs inside the loop body (sliced inputs, the body's intermediates).  The 
 
 * the fewest, largest chunks that fit ``budget_bytes`` (speed: each loop step has a fixed cost,
   and big chunks keep XLA's kernels efficient);
+* among chunks giving as many slices, equal ones where they divide ``L`` (8 x 512 of 4096, not
+  7 x 585 and a remainder of 1);
 * a chunk and its remainder together no larger than the largest chunk that fits: the remainder
   slice (``L mod c`` rows) is computed by one more copy of the body after the loop, in the
   program's own computation, where XLA's buffer assignment places its tensors beside what the
@@ -86,4 +88,8 @@ def plan_chunks(length: int, bytes_per_unit: float, fixed_bytes: int, budget_byt
     # The largest chunk whose remainder fits beside it (c = 1 always does; the search is short:
     # a remainder of at most j rows turns up within about sqrt(2 c) sizes below the largest).
     chunk = next(c for c in range(largest, 0, -1) if c + length % c <= largest)
+    # As many slices in equal chunks, where they divide the axis (8 x 512 of 4096, not 7 x 585 + 1).
+    slices = -(-length // chunk)
+    if length % slices == 0:
+        chunk = length // slices
     return ChunkPlan(length, chunk, int(fixed_bytes + chunk * bytes_per_unit))

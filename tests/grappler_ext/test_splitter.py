@@ -659,12 +659,12 @@ def test_idempotent():
 def test_slices_with_gradients_inside_take_at_most_a_share_of_the_limit():
     """A Transformer training step's attention at L = 4096 under 2 GB: XLA's figure of 262 kB a row
     (374 kB with the calibration margin) planned halves of 2048 rows; capped at SLICE_SHARE of the
-    limit, quarters of 1024 (no remainder).  A slice already within the share is left as planned."""
+    limit, eighths of 512 (no remainder).  A slice already within the share is left as planned."""
     from grappler_ext.splitter import SLICE_SHARE, _capped
 
     plan = ChunkPlan(4096, 2048, 10**9)
     capped = _capped(plan, 374_000, 2 * 10**9)
-    assert (capped.chunk, capped.steps, capped.tail) == (1024, 4, 0)
+    assert (capped.chunk, capped.steps, capped.tail) == (512, 8, 0)
     assert capped.chunk * 374_000 <= SLICE_SHARE * 2 * 10**9
-    assert capped.predicted_bytes == 10**9 - 1024 * 374_000
+    assert capped.predicted_bytes == 10**9 - (2048 - 512) * 374_000
     assert _capped(plan, 100_000, 2 * 10**9) is plan
