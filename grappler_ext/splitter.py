@@ -138,7 +138,7 @@ REPLANS = 2
 # XLA's peak where the model counts 48), so the rest beside a loop is more than planned.  A
 # Transformer's training step at L = 4096 under 2 GB, its attention loops in halves of 2048 rows
 # (537 MB a slice by XLA's figure), was 2.08 GB; in quarters of 1024 rows, 2.00-2.06 GB (traced
-# twice, in different programs around it); in eighths of 512 rows, XXX.
+# twice, in different programs around it); in eighths of 512 rows, 1.98 GB.
 SLICE_SHARE = 0.125
 # A tensor smaller than this fraction of the limit is not worth a loop of its own.
 MIN_TENSOR_FRACTION = 0.05
