@@ -590,10 +590,8 @@ class Splitter(GraphPass):
             remat = not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2
             if remat:
                 # The region fits whole, but the gradients inside the function hold its tensors from
-                # the forward to the backward: a loop recomputes them there instead.  Two steps at
-                # least: XLA inlines a loop of one step, and then merges the forward's copy of the
-                # body with the backward's (CSE), holding its tensors all the same.
-                plan = _capped(_split_anyway(plan, per_unit), per_unit, budget)
+                # the forward to the backward: a loop recomputes them there instead.
+                plan = _split_anyway(plan, per_unit)
                 backward_chunk = min(backward_chunk, plan.chunk)
             # Plans that meet the limit first; among them, those whose joined result is small (a
             # region reaching on to a reduction, rather than stopping at a large tensor it writes
@@ -629,7 +627,7 @@ class Splitter(GraphPass):
             else:
                 plan, per_unit, measured = calibrated
                 backward_chunk = min(backward_chunk, plan.chunk)
-        if backward and not remat:
+        if backward:
             # The program holds its forward activations for the gradients, and XLA's layout copies of
             # them, beyond the model's count: a slice takes at most a share of the budget.
             plan = _capped(plan, per_unit, budget)
