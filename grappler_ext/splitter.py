@@ -444,10 +444,9 @@ class Splitter(GraphPass):
             # XLA packs the loops beside the rest of the program less tightly than the model counts:
             # the planning limit scaled by the share XLA's figure is over.
             lower = int(limit * wanted / measured * REPLAN_MARGIN)
-            loops = f"{len(tried.rewritten)} loop{'s' if len(tried.rewritten) > 1 else ''}"
             journal.undo(to=mark)
-            result.skip([], f"planned against {limit:,} B, with {loops} XLA's figure is {measured:,} B, over the "
-                            f"limit of {wanted:,} B: planned again against {lower:,} B")
+            result.skip([], f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is {measured:,} B, "
+                            f"over the limit of {wanted:,} B: planned again against {lower:,} B")
             limit = lower
         result.records += tried.records
         if measured is not None and measured > wanted:
@@ -517,8 +516,7 @@ class Splitter(GraphPass):
                         checked = isinstance(figure, int)
                         break
                     trust_model = False
-                    loops = f"{len(result.rewritten)} loop{'s' if len(result.rewritten) > 1 else ''}"
-                    result.skip([], f"with {loops} the memory model counts {after:,} B, but XLA's figure is "
+                    result.skip([], f"with {_loops(result)} the memory model counts {after:,} B, but XLA's figure is "
                                     f"{figure:,} B, over the limit: the large tensors left are split too")
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
@@ -1023,6 +1021,12 @@ def _computed(op: tf.Operation) -> tf.Operation:
     while op.type in _PASS_THROUGH and op.inputs:
         op = op.inputs[0].op
     return op
+
+
+def _loops(result: PassResult) -> str:
+    """"1 loop", "3 loops": the loops ``result`` has built so far."""
+    n = len(result.rewritten)
+    return f"{n} loop{'s' if n > 1 else ''}"
 
 
 def _capped(plan: ChunkPlan, per_unit: float, budget: int) -> ChunkPlan:
