@@ -20,6 +20,16 @@ gradient of a while loop stacks the loop's intermediates in TensorLists that cro
 boundary, which XLA rejects; a custom gradient whose backward recomputes avoids that (measured
 on TF 2.21).
 
+A *prologue* (``Region.prologue``, set only where gradients are taken inside the function): ops
+that compute tensors the region reads whole from much smaller ones (an attention's keys and values,
+[L, H, K], projected from the layer's input, [L, D]).  ``forward`` computes them once before its
+loop; ``backward`` computes them again from its inputs instead of keeping the forward's (in a
+conditional, so that XLA can neither merge the two computations nor run the second before the
+upstream gradient exists: :func:`_in_order`), and differentiates through them after its loop.
+The program then holds the small inputs from the forward to the backward, not the large tensors
+(a Transformer's training step: [L, 128] per attention instead of two [L, 8, 128]).  The
+recomputation is exact: the same ops on the same values.
+
 Small constant inputs (axes, shapes, scalars) are re-created inside the loop body instead of
 captured, so shape inference in the body sees their values and the body keeps static shapes.
 """
@@ -34,6 +44,7 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext.combiners import Combiner, join_slices
+from grappler_ext.split_rules import clone_op
 
 __all__ = ["Region", "build_split", "forward_program", "dynamic_slice"]
 
@@ -55,6 +66,9 @@ class Region:
       length: the split axis' length.
       root_partial: ``fn(lookup, chunk, offset) -> partials`` builds the root's partial result of one slice;
         ``lookup(tensor, whole=False)`` gives the slice's (or the whole) version of an original tensor.
+      prologue: ops, in topological order, computing some of ``whole_inputs`` from other tensors
+        (see the module docstring); the loop then reads those ops' inputs instead, and every
+        reader of their outputs is in the region or the prologue.
     """
 
     ops: list[tf.Operation]
@@ -64,6 +78,7 @@ class Region:
     whole_inputs: set
     length: int
     root_partial: Callable[..., list[tf.Tensor]]
+    prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
 
 
 def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
@@ -82,20 +97,46 @@ def _inline_constant(t: tf.Tensor):
     return None if value is None else np.asarray(value)
 
 
+def _prologue_outputs(region: Region) -> set:
+    return {o.ref() for op in region.prologue for o in op.outputs}
+
+
 def external_inputs(region: Region) -> list[tf.Tensor]:
-    """The tensors the region reads from outside, each once; small constants read whole are inlined."""
-    graph_tensors = {}
-    for op in region.ops:
-        for t in op.inputs:
-            graph_tensors.setdefault(t.ref(), t)
+    """The tensors the region reads from outside, each once: the sliced inputs, then those read
+    whole (the prologue's inputs instead of what it computes); small constants read whole are
+    inlined."""
+    derived = _prologue_outputs(region)
+    whole = (region.whole_inputs - set(region.sliced_inputs) - derived) | {
+        t.ref() for op in region.prologue for t in op.inputs if t.ref() not in derived}
     out = []
-    for ref in list(region.sliced_inputs) + sorted(region.whole_inputs - set(region.sliced_inputs),
-                                                    key=lambda r: r.deref().name):
+    for ref in list(region.sliced_inputs) + sorted(whole - set(region.sliced_inputs), key=lambda r: r.deref().name):
         t = ref.deref()
         if ref not in region.sliced_inputs and _inline_constant(t) is not None:
             continue
         out.append(t)
     return out
+
+
+def run_prologue(region: Region, external: Sequence[tf.Tensor], values: Sequence[tf.Tensor]) -> dict:
+    """The prologue's ops rebuilt on ``values`` (standing for ``external``): ``{original.ref(): new}``
+    for each of their outputs."""
+    env = {t.ref(): v for t, v in zip(external, values)}
+    derived: dict = {}
+    for op in region.prologue:
+        inputs = []
+        for t in op.inputs:
+            if t.ref() in derived:
+                inputs.append(derived[t.ref()])
+            elif t.ref() in env:
+                inputs.append(env[t.ref()])
+            else:
+                value = _inline_constant(t)
+                if value is None:
+                    raise KeyError(f"tensor {t.name} is not among the prologue's inputs")
+                inputs.append(tf.constant(value, dtype=t.dtype))
+        for old, new in zip(op.outputs, clone_op(op, inputs)):
+            derived[old.ref()] = new
+    return derived
 
 
 def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
@@ -109,9 +150,10 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
     # to its own outputs, and this builder runs again when the gradients are rebuilt.
     op_inputs = {op: list(op.inputs) for op in region.ops}
 
-    def build(values, offset, chunk):
+    def build(values, offset, chunk, derived=None):
         split_env: dict = {}
         whole_env = {t.ref(): v for t, v in zip(external, values)}
+        whole_env.update(derived or {})
         sliced: list = []
         for t, v in zip(external, values):
             axis = region.sliced_inputs.get(t.ref())
@@ -164,11 +206,19 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
     build = _slice_builder(region, external)
 
     def forward(*values):
-        count, carry = _loop(build, values, combiner, partial_specs, steps, chunk)
+        # After the sliced inputs exist: XLA would otherwise compute a cross-attention's keys and
+        # values (from the encoder's output) for every layer at once, long before their loops.
+        derived = _in_order(region, external, values, [v for t, v in zip(external, values)
+                                                       if t.ref() in region.sliced_inputs] or values)
+
+        def step(vals, offset, size):
+            return build(vals, offset, size, derived)
+
+        count, carry = _loop(step, values, combiner, partial_specs, steps, chunk)
         # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
         # data dependence keeps XLA's scheduler from computing the remainder slice before the loop
         # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
-        tail_partials = build(values, count * chunk, tail)[0] if tail else None
+        tail_partials = step(values, count * chunk, tail)[0] if tail else None
         return combiner.finish(carry, tail_partials, steps * chunk)
 
     return external, forward
@@ -199,6 +249,9 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         outputs = forward(*values)
 
         def grad(*upstream):
+            if region.prologue:
+                return _backward_with_prologue(region, build, external, axes, read_whole, values, outputs,
+                                               upstream, combiner, backward_chunk, floating)
             return _backward(build, external, axes, read_whole, values, outputs, upstream, combiner,
                              length // backward_chunk, backward_chunk, length % backward_chunk, floating)
 
@@ -239,7 +292,10 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
     read_whole = [w and f for w, f in zip(read_whole, floating)]
     # Carry: a TensorArray per input read sliced (joined after the loop), a sum per input read whole.
     carry0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(external, axes) if a is not None]
-    carry0 += [tf.zeros(t.shape, t.dtype) for t, w in zip(external, read_whole) if w]
+    # The sums start from zeros XLA cannot create before the upstream gradients exist (a constant
+    # zero buffer is allocated at the program's start and held: 24 of [L, 8, 128] in a Transformer).
+    anchor = _opaque_true([u for u in upstream if u is not None] or [v for v in values if v.dtype.is_floating])
+    carry0 += [tf.fill(t.shape, tf.cast(anchor, t.dtype) * 0) for t, w in zip(external, read_whole) if w]
 
     def body(i, *carry):
         sliced_grads, whole_grads = slice_grads(i * chunk, chunk)
@@ -267,5 +323,69 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
             out.append(None)
             continue
         parts = [g for g in (joined[k], summed[k]) if g is not None]
-        out.append(parts[0] if len(parts) == 1 else parts[0] + parts[1])
+        # None: an input only a prologue reads (see _backward_with_prologue).
+        out.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
     return out
+
+
+def _opaque_true(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """A boolean scalar, true unless the first element of ``tensors[0]`` is NaN, that XLA cannot
+    fold to a constant: what reads it waits for that tensor."""
+    anchor = tf.reshape(tf.convert_to_tensor(tensors[0]), [-1])[:1]
+    return tf.reduce_all(tf.equal(anchor, anchor))
+
+
+def _in_order(region, external, values, after) -> dict:
+    """The prologue's outputs computed from ``values`` once ``after`` exist, in a form XLA keeps
+    apart from any other computation of them: ``{original.ref(): tensor}``.
+
+    XLA's CSE merges identical computations within a computation, so the backward's recomputation
+    would become the forward's tensors, held until then (an ``XlaOptimizationBarrier`` does not stop
+    it: XLA:CPU expands barriers before CSE); and its scheduler may compute a prologue whose inputs
+    exist early long before its loop runs.  CSE does not reach into a conditional's branches, nor
+    does a conditional run before its predicate: the prologue is a ``tf.cond`` whose two branches
+    are the same ops, on a predicate read from ``after``.  Either branch gives the same values, so
+    the predicate's value cannot change them.
+    """
+    keys = [o.ref() for op in region.prologue for o in op.outputs]
+    if not keys:
+        return {}
+
+    def branch():
+        derived = run_prologue(region, external, values)
+        return [derived[k] for k in keys]
+
+    return dict(zip(keys, tf.cond(_opaque_true(after), branch, branch)))
+
+
+def _backward_with_prologue(region, build, external, axes, read_whole, values, outputs, upstream, combiner,
+                            chunk, floating):
+    """:func:`_backward` for a region with a prologue: the prologue's outputs recomputed from the
+    inputs (:func:`_in_order`), the loop's gradients taken with them as inputs read whole, then
+    carried through the prologue to its inputs and added to the loop's own."""
+    n = len(external)
+    values = list(values)
+    # Recomputed once the upstream gradients exist (the backward needs them then, not before).
+    derived = _in_order(region, external, values, [u for u in upstream if u is not None] or values)
+    keys = [ref for ref in derived if ref in region.whole_inputs]
+    inner_external = list(external) + [ref.deref() for ref in keys]
+    inner_values = values + [derived[ref] for ref in keys]
+
+    def inner_build(vals, offset, size):
+        return build(vals[:n], offset, size, dict(zip(keys, vals[n:])))
+
+    extra_floating = [ref.deref().dtype.is_floating for ref in keys]
+    grads = _backward(inner_build, inner_external, list(axes) + [None] * len(keys),
+                      list(read_whole) + [True] * len(keys), inner_values, outputs, upstream, combiner,
+                      region.length // chunk, chunk, region.length % chunk, list(floating) + extra_floating)
+    own, through = grads[:n], grads[n:]
+    carried = [(derived[ref], g) for ref, g in zip(keys, through) if g is not None]
+    sources = [k for k in range(n) if floating[k]]
+    if carried and sources:
+        more = tf.gradients([d for d, _ in carried], [values[k] for k in sources], grad_ys=[g for _, g in carried])
+        for k, g in zip(sources, more):
+            if g is None:
+                continue
+            g = tf.convert_to_tensor(g)
+            own[k] = g if own[k] is None else own[k] + g
+    return own

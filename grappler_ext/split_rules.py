@@ -179,7 +179,8 @@ def leaf_kind(op: tf.Operation) -> str | None:
     return LEAF_KINDS.get(op.type)
 
 
-def _is_stateful(op: tf.Operation) -> bool:
+def is_stateful(op: tf.Operation) -> bool:
+    """Whether ``op`` must keep its place and count (random draws, variable access, prints, asserts)."""
     return op.type in STATEFUL_TYPES or bool(getattr(op, "_is_stateful", False))
 
 
@@ -202,7 +203,7 @@ def propagate(op: tf.Operation, output_index: int, axis: int) -> Propagation | R
         kind = leaf_kind(op)
         if kind is not None:
             return Refusal(f"`{op.type}` is a leaf ({kind}): slice its output instead of splitting through it")
-    if _is_stateful(op):
+    if is_stateful(op):
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice")
     if op.type not in RULES:
         return Refusal(f"cannot split through `{op.type}`: no rule")
