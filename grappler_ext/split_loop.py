@@ -328,10 +328,14 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
     return out
 
 
-def _opaque_true(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-    """A boolean scalar, true unless the first element of ``tensors[0]`` is NaN, that XLA cannot
-    fold to a constant: what reads it waits for that tensor."""
-    anchor = tf.reshape(tf.convert_to_tensor(tensors[0]), [-1])[:1]
+def _opaque_true(tensors: Sequence) -> tf.Tensor:
+    """A boolean scalar, true unless the first element of the first dense tensor of ``tensors`` is
+    NaN, that XLA cannot fold to a constant: what reads it waits for that tensor.  (An
+    ``IndexedSlices`` gradient is read through its values, never made dense.)"""
+    first = next((t for t in tensors if isinstance(t, tf.Tensor)), None)
+    if first is None:
+        first = tensors[0].values if isinstance(tensors[0], tf.IndexedSlices) else tf.convert_to_tensor(tensors[0])
+    anchor = tf.reshape(first, [-1])[:1]
     return tf.reduce_all(tf.equal(anchor, anchor))
 
 
