@@ -162,7 +162,7 @@ BACKWARD_COST_FACTOR = 5.0
 # this fraction of them (beyond that, smaller slices only cost steps), and a warning says so.
 BEST_EFFORT_FRACTION = 0.1
 _MAX_ROOT_DEPTH = 8  # how many ops downstream of the large tensor roots are looked for
-# A prologue (see below) replaces a tensor read whole by inputs at most this share of its bytes, and
+# A prologue (see the module docstring) replaces a tensor read whole by inputs at most this share of its bytes, and
 # takes at most PROLOGUE_OPS ops to get there (an attention's keys: einsum and bias, 1/8).
 PROLOGUE_SHARE = 0.5
 PROLOGUE_OPS = 8
