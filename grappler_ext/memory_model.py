@@ -473,6 +473,12 @@ _register("Exp Expm1 Log Log1p Tanh Sigmoid Sqrt Rsqrt Erf Erfc Softplus Elu Sel
 _register("Pow", Rule(Kind.LOOP, in_place=True, expensive=lambda op: not _is_integer_power(op)))
 _register("RealDiv Div", Rule(Kind.LOOP, in_place=True, expensive=lambda op: not _is_constant_divisor(op)))
 # Generators: a broadcast or an iota inside the consumer's fusion.
+# Random draws are materialised (measured: dropout of an 8 MB tensor, summed, needs 8 MB beside its
+# input, stateful or stateless alike); their shape operand is read at compile time.
+_register("RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt StatelessRandomUniform "
+          "StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformV2 StatelessRandomNormalV2 "
+          "StatelessTruncatedNormalV2 StatelessRandomUniformIntV2", Rule(Kind.LIBRARY, static_inputs=(0,)))
+_register("StatelessRandomGetKeyCounter", Rule(Kind.LIBRARY))
 _register("Fill", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("ZerosLike OnesLike", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("Range", Rule(Kind.LOOP, static_inputs=(0, 1, 2)))

@@ -42,7 +42,10 @@ What it refuses (a falsy :class:`Refusal` with a one-line reason, never a guess)
 * an op type without a rule: "cannot split through `Cholesky`: no rule" (Cholesky, inverse and
   determinant have none on purpose: every output element depends on the whole matrix);
 * stateful ops (random, variables, prints, asserts): run once per slice they would draw new
-  numbers, print or check ``n`` times;
+  numbers, print or check ``n`` times.  Random draws (dropout's mask) are the exception the user
+  may allow (``Options.redraw_random``): each slice then draws its own values with a stateless
+  generator keyed by a seed drawn once per call, the op and the slice's offset (:class:`Reseed`),
+  so that a slice's gradient recomputes the very values its forward drew;
 * the split axis reduced, normalised, sorted, accumulated, concatenated, padded, tiled, gathered,
   stacked or split along, or merged with a neighbour by a reshape;
 * dynamic shapes, and axes, permutations, shapes or slice bounds that are not constants;
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -72,6 +76,9 @@ __all__ = [
     "RULES",
     "LEAF_KINDS",
     "STATEFUL_TYPES",
+    "RANDOM_DRAWS",
+    "Reseed",
+    "is_stateful",
     "propagate",
     "clone_op",
     "leaf_kind",
@@ -174,6 +181,28 @@ STATEFUL_TYPES = frozenset({
 })
 
 
+# Random draws ``Options.redraw_random`` lets a loop draw again slice by slice: the stateless
+# generator drawing the same distribution.
+RANDOM_DRAWS: dict[str, Callable] = {
+    "RandomUniform": tf.random.stateless_uniform,
+    "RandomStandardNormal": tf.random.stateless_normal,
+    "TruncatedNormal": tf.random.stateless_truncated_normal,
+}
+
+
+@dataclasses.dataclass
+class Reseed:
+    """The seed a split region's random draws are drawn again from.
+
+    ``tensor``: [2] int64, drawn once per call of the function by the splitter, outside the loop,
+    before it builds it.  A slice's draw is keyed by it, the op's name and the slice's offset: the
+    same in the slice's forward and in its gradient's recomputation, another for every slice, op
+    and call.  ``None`` while the splitter sizes the loop (compiled, never run): a fixed key.
+    """
+
+    tensor: tf.Tensor | None = None
+
+
 def leaf_kind(op: tf.Operation) -> str | None:
     """What kind of leaf ``op`` is (see :data:`LEAF_KINDS`), or ``None`` if it is not one."""
     return LEAF_KINDS.get(op.type)
@@ -193,16 +222,29 @@ def _dynamic_tensor(op: tf.Operation) -> str | None:
     return None
 
 
-def propagate(op: tf.Operation, output_index: int, axis: int) -> Propagation | Refusal:
+def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | None = None) -> Propagation | Refusal:
     """How ``op.outputs[output_index]`` split along ``axis`` splits the op's inputs and other outputs.
 
-    Raises ``ValueError`` for an output index or axis out of range (a caller's bug); every reason
-    not to split is a :class:`Refusal`.
+    ``reseed``: random draws (:data:`RANDOM_DRAWS`) may be drawn again per slice, keyed by it
+    (``Options.redraw_random``); without it they are refused like every stateful op.  Raises
+    ``ValueError`` for an output index or axis out of range (a caller's bug); every reason not to
+    split is a :class:`Refusal`.
     """
     if op.type not in RULES:
         kind = leaf_kind(op)
         if kind is not None:
             return Refusal(f"`{op.type}` is a leaf ({kind}): slice its output instead of splitting through it")
+    if op.type in RANDOM_DRAWS and reseed is not None:
+        dynamic = _dynamic_tensor(op)
+        if dynamic is not None:
+            return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")
+        if not 0 <= axis < (op.outputs[0].shape.rank or 0) or output_index != 0:
+            raise ValueError(f"no output {output_index} axis {axis} of `{op.name}`")
+        return _redraw(op, axis, reseed)
+    if op.type in RANDOM_DRAWS:
+        return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice, "
+                       "drawing other random numbers; enable tf_memsafe with redraw_random=True to allow that "
+                       "(each slice then draws its own)")
     if is_stateful(op):
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice")
     if op.type not in RULES:
@@ -221,6 +263,23 @@ def propagate(op: tf.Operation, output_index: int, axis: int) -> Propagation | R
         raise AssertionError(f"the split rule of `{op.type}` returned {result} for output {output_index}, "
                              f"axis {axis}")
     return result
+
+
+def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusal:
+    """A slice of a random draw along ``axis``, drawn again (not the unsplit draw's slice)."""
+    shape = _const(op.inputs[0])
+    if shape is None:
+        return _not_constant(op, "shape")
+    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+    salt = zlib.crc32(op.name.encode()) & 0x7FFFFFFF
+    draw = RANDOM_DRAWS[op.type]
+
+    def rebuild_at(op, inputs, chunk, offset):
+        seed = reseed.tensor if reseed.tensor is not None else tf.zeros([2], tf.int64)
+        key = seed + tf.stack([tf.constant(salt, tf.int64), tf.cast(offset, tf.int64)])
+        return [draw(_with_chunk(dims, axis, chunk), seed=key, dtype=op.get_attr("dtype"))]
+
+    return Propagation((None,), (axis,), rebuild_at=rebuild_at)
 
 
 # --- building ----------------------------------------------------------------------------------

@@ -24,8 +24,11 @@ A region holds the ops that carry the split axis down from the root and whose ev
 the region; it stops at graph inputs, variable reads and constants (sliced there), at ops read
 whole by the region or read by anything outside it (their full value exists anyway, so they are
 sliced, not recomputed), at stateful ops (never moved into a loop: random draws, variable
-writes, prints and asserts keep their place and count), and at ops with no rule (the record
-names them: "cannot split through `Cholesky`: no rule").
+writes, prints and asserts keep their place and count; random draws only with
+``Options.redraw_random``, each slice drawing its own values keyed by a seed drawn once per call,
+the forward's chunks then also the gradient's so that a slice's recomputation draws what its
+forward drew), and at ops with no rule (the record names them: "cannot split through `Cholesky`:
+no rule").
 
 Why it is safe: each slice computes exactly the rows the original computes for it, with the same
 ops; the combiners are exact except that ``sum``, ``mean`` and ``prod`` reassociate floating-point
@@ -257,9 +260,10 @@ class _Grown:
 
 
 def _grow(options: list[_Option], graph_outputs: set, order_index: dict,
-          ignored: frozenset = frozenset()) -> _Grown | str:
+          ignored: frozenset = frozenset(), reseed: split_rules.Reseed | None = None) -> _Grown | str:
     """The region for ``options`` (one or more roots split together): ops carrying the split axis
-    whose readers are all in the region."""
+    whose readers are all in the region; random draws in it drawn again by slice, keyed by
+    ``reseed``, if given (``Options.redraw_random``)."""
     roots = {o.root for o in options} | {op for o in options for op in o.absorbed}
     requests: dict = {}            # (op, output index) -> set of axes it is read sliced along
     whole: set = set()             # tensor refs read whole
@@ -300,7 +304,7 @@ def _grow(options: list[_Option], graph_outputs: set, order_index: dict,
         prop = None
         if reason is None:
             k0, axes0 = next(iter(wanted.items()))
-            prop = split_rules.propagate(op, k0, next(iter(axes0)))
+            prop = split_rules.propagate(op, k0, next(iter(axes0)), reseed)
             if not prop:
                 reason = prop.reason
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
@@ -382,6 +386,7 @@ class Splitter(GraphPass):
         result = PassResult(self.name)
         self._loop_bytes: dict[str, int] = {}
         self._calibrate = getattr(options, "calibrate_chunks", False)
+        self._redraw = getattr(options, "redraw_random", False)
         limit = options.memory_limit_bytes
         if limit is None:
             result.skip([], "no memory limit in bytes")
@@ -597,8 +602,9 @@ class Splitter(GraphPass):
             together = _forward_roots(tensor, axis, order_index, graph_outputs, backward)
             if isinstance(together, list) and len(together) > 1:
                 candidates.append(together)
+        reseed = split_rules.Reseed() if self._redraw else None
         for options in candidates:
-            grown = _grow(options, graph_outputs, order_index, backward)
+            grown = _grow(options, graph_outputs, order_index, backward, reseed)
             if isinstance(grown, str):
                 reasons.append(grown)
                 continue
@@ -659,10 +665,18 @@ class Splitter(GraphPass):
             # them, beyond the model's count: a slice takes at most a share of the budget.
             plan = _capped(plan, per_unit, budget)
             backward_chunk = min(backward_chunk, plan.chunk)
+        draws = reseed is not None and any(op.type in split_rules.RANDOM_DRAWS for op in grown.region.ops)
+        if draws and backward_chunk < plan.chunk:
+            # A slice's draw keys on its offset: the gradient's slices must be the forward's.
+            plan = ChunkPlan(plan.length, backward_chunk,
+                             int(plan.predicted_bytes - (plan.chunk - backward_chunk) * per_unit))
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
         try:
             with graph_edit.building(graph, self.name):
+                if draws:
+                    # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
+                    reseed.tensor = call_seed()
                 outputs = self._build(options, grown.region, plan, backward_chunk)
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:
             result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}")
@@ -1222,6 +1236,11 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
             if c in order_index and c not in inside and c not in backward and not _static_shape_reader(c):
                 return False
     return True
+
+
+def call_seed() -> tf.Tensor:
+    """The [2] int64 seed a loop's random draws key on, drawn anew at every call of the function."""
+    return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
 
 
 def _downstream(op: tf.Operation, order_index: dict) -> list[tf.Operation]:

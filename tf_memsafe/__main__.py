@@ -69,6 +69,9 @@ def _parser() -> tuple[_Parser, set[str]]:
                             help="do not run the pass NAME (repeatable)"),
         parser.add_argument("--strict", action="store_true",
                             help="raise instead of leaving a function as traced when a pass fails"),
+        parser.add_argument("--redraw-random", action="store_true",
+                            help="let the splitter split through random draws (dropout), each slice drawing "
+                                 "its own values (Options.redraw_random)"),
         parser.add_argument("--explain", action="store_true",
                             help="also print every pass's records for each function"),
         parser.add_argument("--no-measure", action="store_true",
@@ -181,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         target = [args.module]
 
     try:
-        tf_memsafe.enable(args.memory_limit, disabled_passes=args.disable_pass, strict=args.strict)
+        tf_memsafe.enable(args.memory_limit, disabled_passes=args.disable_pass, strict=args.strict,
+                          redraw_random=args.redraw_random)
     except (tf_memsafe.TfMemsafeError, ValueError, TypeError) as e:
         parser.exit(1, f"{PROG}: error: {e}\n")
     mark = hook.report_mark()

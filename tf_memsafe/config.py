@@ -54,6 +54,12 @@ class Options:
         if XLA's figure is over the limit (the model cannot see how XLA's scheduler interleaves
         independent branches: a Transformer's encoder and decoder attention measured 2x the
         model's count).  One extra compile of such programs; off: the model's word is final.
+      redraw_random: let the splitter move random draws (``tf.random.uniform``, ``normal``,
+        ``truncated_normal``: a dropout mask) into its loops, each slice drawing its own values with
+        a stateless generator keyed by a seed drawn once per call, the op and the slice's offset, so
+        that a slice's gradient sees the very values its forward drew.  The values are other draws of
+        the same distribution, not the unsplit program's.  Off by default: a region with a random
+        draw in it is not split through it (the record names the op and this option).
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.
@@ -69,6 +75,7 @@ class Options:
     dump_dir: str | None = None
     calibrate_chunks: bool = True
     check_programs: bool = True
+    redraw_random: bool = False
     exla_flags: bool = True
 
     def __post_init__(self):

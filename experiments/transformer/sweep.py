@@ -2,7 +2,7 @@
 
     python -m experiments.transformer.sweep [--preset cpu|gpu] [--quick] [--lengths 256 512 ...]
         [--limit 2GB] [--batch 1] [--modes forward train] [--train-lengths ...] [--repeats 3] [--max-run-length N]
-        [--data random|ted_hrlr] [--out experiments/results]
+        [--data random|ted_hrlr] [--dropout RATE] [--out experiments/results]
 
 For each sequence length L (context and target both L tokens) x {naive, tf_memsafe} x
 {forward, train}:
@@ -13,8 +13,13 @@ For each sequence length L (context and target both L tokens) x {naive, tf_memsa
   tutorial's masked loss and an Adam update (:func:`experiments.transformer.model.train_step`;
   ``training=True``).
 
-Dropout is off in every preset (rate 0: Keras' ``Dropout`` is then an identity): the splitter never
-moves random ops into its loops, so a region with a dropout draw in it would not be split.
+Dropout is off in every preset (rate 0: Keras' ``Dropout`` is then an identity).  ``--dropout RATE``
+turns the tutorial's dropout on (attention probabilities, feed-forward outputs, embeddings) and
+enables tf_memsafe with ``redraw_random=True``: the splitter moves the attention's dropout draw into
+its loops, each slice drawing its own mask (without that option a region with a random draw is not
+split through it).  Training steps then draw other masks than the naive step, so their first losses
+are not compared (``err_vs_naive`` empty); the forward (``training=False``) draws none.  The JSON's
+``dropout`` says which ran.
 
 Per case: XLA's footprint ("Total bytes used" of the compiled program, compiled from the very trace
 that is timed; naive: traced with tf_memsafe disabled; tf_memsafe: traced with it enabled at
@@ -138,8 +143,8 @@ def _rel_error(got, ref) -> float | None:
 class Case:
     """One model, optimizer and batch at one length; builds and measures both variants of a mode."""
 
-    def __init__(self, model, optimizer, batch_data, limit: int):
-        self.model, self.optimizer, self.limit = model, optimizer, limit
+    def __init__(self, model, optimizer, batch_data, limit: int, redraw_random: bool = False):
+        self.model, self.optimizer, self.limit, self.redraw_random = model, optimizer, limit, redraw_random
         (context, target_in), labels = batch_data
         self.args = {"forward": (context, target_in), "train": (context, target_in, labels)}
         # Weights and optimizer state before any step: each variant's first step starts from them.
@@ -166,7 +171,7 @@ class Case:
                 tf_memsafe.disable()
                 fn.get_concrete_function(*args)
             else:
-                tf_memsafe.enable(self.limit)
+                tf_memsafe.enable(self.limit, redraw_random=self.redraw_random)
                 fn.get_concrete_function(*args)
             trace_s = time.perf_counter() - start
         tf_memsafe.disable()
@@ -332,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", choices=("random", "ted_hrlr"), default="random",
                         help="random tokens, or ted_hrlr_translate/pt_to_en if already prepared (never downloaded)")
     parser.add_argument("--data-dir", help="TFDS data directory (default: TFDS's)")
+    parser.add_argument("--dropout", type=float, help="the tutorial's dropout rate (default 0: off); on, tf_memsafe "
+                        "runs with redraw_random=True")
     parser.add_argument("--out", default=os.path.join("experiments", "results"))
     args = parser.parse_args(argv)
 
@@ -345,6 +352,10 @@ def main(argv=None) -> int:
     config = dataclasses.replace(preset.config, max_length=max(max(lengths), preset.config.max_length))
     if args.num_layers:
         config = dataclasses.replace(config, num_layers=args.num_layers)
+    dropout = args.dropout or 0.0
+    config = dataclasses.replace(config, dropout_rate=dropout)
+    dropout_note = (f"rate {dropout:g}; tf_memsafe with redraw_random=True (each slice of a split attention draws "
+                    "its own mask; training losses not compared)" if dropout else "off (rate 0)")
     data_note = "random tokens"
     if args.data == "ted_hrlr" and tdata.tfds_available(args.data_dir):
         config = dataclasses.replace(config, input_vocab_size=tdata.BYTE_VOCAB, target_vocab_size=tdata.BYTE_VOCAB)
@@ -364,14 +375,16 @@ def main(argv=None) -> int:
         for length in lengths:
             batch_data, data_note = tdata.batches(args.data, batch, length, config.input_vocab_size,
                                                   config.target_vocab_size, data_dir=args.data_dir)
-            case = Case(model, optimizer, batch_data, limit)
+            case = Case(model, optimizer, batch_data, limit, redraw_random=bool(dropout))
             for mode in [mode for at, mode in cases if at == length]:
                 results = {}
                 for variant in VARIANTS:
                     bar.set_postfix_str(f"L={length} {mode} {variant}")
                     may_run = cap is None or length <= cap
                     fields, results[variant] = case.measure(mode, variant, repeats, may_run)
-                    err = _rel_error(results[variant], results["naive"]) if variant == "tf_memsafe" else None
+                    drawn = dropout and mode == "train"        # other masks than the naive step's
+                    err = (_rel_error(results[variant], results["naive"])
+                           if variant == "tf_memsafe" and not drawn else None)
                     rows.append(Row(preset=preset.name, mode=mode, variant=variant, length=length, batch=batch,
                                     limit_bytes=limit, err_vs_naive=err, **fields))
                     bar.update()
@@ -386,7 +399,7 @@ def main(argv=None) -> int:
             "model": dataclasses.asdict(config), "batch": batch, "lengths": list(lengths),
             "train_lengths": sorted(train_lengths & set(lengths)) if "train" in args.modes else [],
             "limit_bytes": limit,
-            "repeats": repeats, "max_run_length": cap, "data": data_note, "dropout": "off (rate 0)",
+            "repeats": repeats, "max_run_length": cap, "data": data_note, "dropout": dropout_note,
             "longest": longest(rows)}
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
@@ -394,7 +407,8 @@ def main(argv=None) -> int:
              f"batch {batch}, {data_note}; XLA:CPU" if not tf.config.list_logical_devices("GPU") else "")
     plot(rows, limit, title, stem + ".png")
     print(f"{preset.name} preset: {config.num_layers} layers, d_model {config.d_model}, dff {config.dff}, "
-          f"{config.num_heads} heads, batch {batch}, {data_note}, dropout off, limit {tf_memsafe.format_bytes(limit)}"
+          f"{config.num_heads} heads, batch {batch}, {data_note}, dropout {dropout_note}, "
+          f"limit {tf_memsafe.format_bytes(limit)}"
           + (f", run up to L = {cap}" if cap else ""))
     print(table(rows))
     print(summary(rows, limit))

@@ -55,6 +55,20 @@ def test_quick_run_fits_where_naive_does_not(quick_run):
     assert all(int(r["splits"]) >= 1 and r["status"] == "rewritten" for r in beyond)
 
 
+
+def test_dropout_on_the_attentions_are_split_with_masks_drawn_by_slice(tmp_path):
+    """``--dropout 0.1``: the attention's dropout draw sits inside every attention region; tf_memsafe
+    runs with ``redraw_random=True`` and splits them all the same, and the training loss is not
+    compared (the masks are other draws)."""
+    assert sweep.main(["--quick", "--lengths", "1024", "--modes", "train", "--dropout", "0.1",
+                       "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "transformer_sweep_quick.json").read_text())
+    assert meta["dropout"].startswith("rate 0.1; tf_memsafe with redraw_random=True")
+    assert meta["model"]["dropout_rate"] == 0.1
+    naive, tfms = sorted(meta["rows"], key=lambda r: r["variant"] != "naive")
+    assert not naive["within_limit"] and tfms["within_limit"] and tfms["ran"], tfms["note"]
+    assert tfms["splits"] >= 3 and tfms["err_vs_naive"] is None
+
 def test_random_batch_is_shifted_and_padded():
     (context, target_in), labels = data.random_batch(3, 64, 50, 40, seed=1)
     assert context.shape == target_in.shape == labels.shape == (3, 64)

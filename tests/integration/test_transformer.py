@@ -174,3 +174,31 @@ def test_training_step_fits_the_limit(training):
     attentions are split all the same, their gradients rebuilt, and the whole step fits."""
     tfms = training["tf_memsafe"]
     assert tfms["splits"] >= 3 and tfms["bytes"] <= TRAIN_LIMIT, (tfms["bytes"], tfms["skips"][:2])
+
+
+def fit_transformer(batch) -> tuple[list[float], int]:
+    """The tutorial's way to train: ``compile(loss=masked_loss, optimizer, metrics=[masked_accuracy],
+    jit_compile=True)`` and ``fit`` for two epochs of one batch; the losses and XLA's figure for the
+    training step Keras compiles."""
+    (context, target_in), labels = batch
+    net = build()
+    net.compile(loss=model.masked_loss, optimizer=keras.optimizers.Adam(1e-3), metrics=[model.masked_accuracy],
+                jit_compile=True)
+    data = tf.data.Dataset.from_tensors(((context, target_in), labels))
+    with xla_flags.dump_all_compiles() as folder:
+        history = net.fit(data, epochs=2, verbose=0)
+        steps = [total for name, total in xla_flags.memory_reports(folder) if "train_function" in name
+                 or "run_step" in name]
+    return history.history["loss"], max(steps)
+
+
+def test_keras_fit_with_jit_compile_trains_the_same_within_the_limit(batch):
+    """Keras compiles the training step itself (``jit_compile=True`` in ``compile``): tf_memsafe,
+    only enabled, splits its attentions the same way, with the same losses, within the limit."""
+    naive_losses, naive_bytes = fit_transformer(batch)
+    tf_memsafe.enable(TRAIN_LIMIT)
+    losses, step_bytes = fit_transformer(batch)
+    assert len(splitter_rewrites()) >= 3, splitter_skips()[:3]
+    np.testing.assert_allclose(losses, naive_losses, rtol=1e-5)
+    assert naive_bytes > 3 * TRAIN_LIMIT
+    assert step_bytes <= TRAIN_LIMIT

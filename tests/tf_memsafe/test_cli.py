@@ -44,7 +44,8 @@ def our_lines(stderr: str) -> list[str]:
 def test_help_documents_the_options(tmp_path):
     proc = run_cli("--help", cwd=tmp_path)
     assert proc.returncode == 0
-    for option in ("--memory-limit", "--explain", "--disable-pass", "--strict", "--no-measure", "-m MODULE"):
+    for option in ("--memory-limit", "--explain", "--disable-pass", "--strict", "--redraw-random", "--no-measure",
+                   "-m MODULE"):
         assert option in proc.stdout
 
 
