@@ -170,9 +170,11 @@ _MAX_ROOT_DEPTH = 8  # how many ops downstream of the large tensor roots are loo
 PROLOGUE_SHARE = 0.5
 PROLOGUE_OPS = 8
 PROLOGUE_MIN_BYTES = 1 << 16      # smaller tensors read whole are not worth recomputing
+_LOOP_TYPES = ("While", "StatelessWhile")
+_BRANCH_TYPES = ("If", "StatelessIf")
 # Ops a prologue does not copy: loops, calls and branches (their bodies are functions of the graph).
-_NOT_CLONED = frozenset({"While", "StatelessWhile", "PartitionedCall", "StatefulPartitionedCall",
-                         "If", "StatelessIf", "Case", "StatelessCase"})
+_NOT_CLONED = frozenset(_LOOP_TYPES + _BRANCH_TYPES + ("PartitionedCall", "StatefulPartitionedCall", "Case",
+                                                       "StatelessCase"))
 # Ops that only pass a value on: a record names the op before them.
 _PASS_THROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims"})
 
@@ -1012,9 +1014,6 @@ class Splitter(GraphPass):
         return partial, combiner, specs, combiner.differentiable
 
 
-_LOOP_TYPES = ("While", "StatelessWhile")
-
-
 def _new_loops(graph, existing: set) -> list[tf.Operation]:
     return [op for op in graph.get_operations() if op.type in _LOOP_TYPES and op not in existing]
 
@@ -1031,7 +1030,7 @@ def _needed_now(graph, result: PassResult, loop_bytes: dict) -> int:
     # The conditionals a prologue's recomputation sits in (split_loop._in_order): their outputs.
     branch = memory_model.Rule(memory_model.Kind.LIBRARY)
     after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(_LOOP_TYPES, loop),
-                                               **dict.fromkeys(("If", "StatelessIf"), branch)})
+                                               **dict.fromkeys(_BRANCH_TYPES, branch)})
     planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
     if after.peak_bytes is not None:
         return after.peak_bytes
