@@ -123,20 +123,20 @@ def run_prologue(region: Region, external: Sequence[tf.Tensor], values: Sequence
     env = {t.ref(): v for t, v in zip(external, values)}
     derived: dict = {}
     for op in region.prologue:
-        inputs = []
-        for t in op.inputs:
-            if t.ref() in derived:
-                inputs.append(derived[t.ref()])
-            elif t.ref() in env:
-                inputs.append(env[t.ref()])
-            else:
-                value = _inline_constant(t)
-                if value is None:
-                    raise KeyError(f"tensor {t.name} is not among the prologue's inputs")
-                inputs.append(tf.constant(value, dtype=t.dtype))
+        inputs = [_whole_value(t, {**env, **derived}, "the prologue's inputs") for t in op.inputs]
         for old, new in zip(op.outputs, clone_op(op, inputs)):
             derived[old.ref()] = new
     return derived
+
+
+def _whole_value(t: tf.Tensor, env: dict, what: str) -> tf.Tensor:
+    """``t``'s stand-in in ``env``, else its value as a small constant inlined; else a ``KeyError``."""
+    if t.ref() in env:
+        return env[t.ref()]
+    value = _inline_constant(t)
+    if value is None:
+        raise KeyError(f"tensor {t.name} is not among {what}")
+    return tf.constant(value, dtype=t.dtype)
 
 
 def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
@@ -163,13 +163,11 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
                 split_env[t.ref()] = piece
 
         def lookup(t: tf.Tensor, whole: bool = False) -> tf.Tensor:
-            env = whole_env if whole else split_env
-            if t.ref() in env:
-                return env[t.ref()]
-            value = _inline_constant(t) if whole else None
-            if value is None:
-                raise KeyError(f"tensor {t.name} is not among the region's {'whole' if whole else 'sliced'} inputs")
-            return tf.constant(value, dtype=t.dtype)
+            if whole:
+                return _whole_value(t, whole_env, "the region's whole inputs")
+            if t.ref() in split_env:
+                return split_env[t.ref()]
+            raise KeyError(f"tensor {t.name} is not among the region's sliced inputs")
 
         for op in region.ops:
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
