@@ -129,11 +129,13 @@ class Row:
     trained: bool = False
     maxiter: int = 0
     nit: int | None = None                       # L-BFGS iterations
+    converged: bool | None = None                # scipy's success: a convergence test met before --maxiter
     train_s: float | None = None                 # minimize(), compile included
     elbo: float | None = None                    # final ELBO (minus the final training loss)
     rmse: float | None = None                    # test set, standardised units
     nlpd: float | None = None                    # test set, mean negative log predictive density, standardised
     naive_nit: int | None = None
+    naive_converged: bool | None = None
     naive_train_s: float | None = None
     naive_elbo: float | None = None
     naive_rmse: float | None = None
@@ -332,6 +334,7 @@ class Side:
     plan: str = ""
     predict_bytes: int | None = None
     nit: int | None = None
+    converged: bool | None = None
     train_s: float | None = None
     elbo: float | None = None
     rmse: float | None = None
@@ -402,7 +405,7 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     result = opt.minimize(model.training_loss, variables, compile=True, tf_fun_args=TF_FUN_ARGS,
                           options={"maxiter": s.maxiter})
     out.train_s = time.perf_counter() - start
-    out.nit, out.elbo = int(result.nit), -float(result.fun)
+    out.nit, out.elbo, out.converged = int(result.nit), -float(result.fun), bool(result.success)
     if len(opt.compile_cache) != 1:
         out.note = joined(out.note, "minimize compiled a second loss-and-gradient function")
     too_large = predictions_over(model, split, s.run_limit, rewritten)
@@ -491,6 +494,7 @@ def measure(split: Split, data: str, kernel: str, m_inducing: int, s: Settings) 
     row.predict_within_limit = None if tfms.predict_bytes is None else tfms.predict_bytes <= s.limit
     row.tf_memsafe_s, row.tf_memsafe_first_call_s = tfms.seconds, tfms.first_call_s
     row.nit, row.train_s, row.elbo, row.rmse, row.nlpd = tfms.nit, tfms.train_s, tfms.elbo, tfms.rmse, tfms.nlpd
+    row.converged = tfms.converged
     row.naive_model_bytes = tfms.model_bytes
     if tfms.naive_bytes is not None:
         row.naive_bytes, row.naive_source = tfms.naive_bytes, "measured"
@@ -513,6 +517,7 @@ def measure(split: Split, data: str, kernel: str, m_inducing: int, s: Settings) 
             row.naive_s, row.naive_first_call_s = naive.seconds, naive.first_call_s
             row.naive_predict_bytes = naive.predict_bytes
             row.naive_nit, row.naive_train_s, row.naive_elbo = naive.nit, naive.train_s, naive.elbo
+            row.naive_converged = naive.converged
             row.naive_rmse, row.naive_nlpd = naive.rmse, naive.nlpd
             row.loss_rel_err, row.grad_rel_err = rel(tfms.loss, naive.loss), rel_norm(tfms.grad, naive.grad)
             row.elbo_rel_err = rel(tfms.elbo, naive.elbo)
@@ -554,7 +559,7 @@ def reach(rows: list[Row]) -> list[dict]:
 def table(rows: list[Row], limit: int) -> str:
     num = m.num
     head = (f"{'kernel':8} {'N':>6} {'M':>5} {'naive':>10} {'':5} {'tf_memsafe':>10} {'fits':4} {'predict':>9} "
-            f"{'s/eval':>8} {'naive s':>8} {'nit':>4} {'ELBO':>12} {'RMSE':>7} {'NLPD':>7}  check / naive skipped")
+            f"{'s/eval':>8} {'naive s':>8} {'nit':>5} {'ELBO':>12} {'RMSE':>7} {'NLPD':>7}  check / naive skipped")
     lines = [f"GPflow SGPR loss and gradient (tape inside), float64; limit {m.fmt_bytes(limit)}", head, "-" * len(head)]
     for r in rows:
         if r.skipped:
@@ -566,13 +571,15 @@ def table(rows: list[Row], limit: int) -> str:
             fits += "*"
         tail = joined(r.check, r.same_params_check and "same parameters: " + r.same_params_check) or (
             r.naive_skipped and "naive: " + r.naive_skipped)
+        nit = num(r.nit, 'd') + ("c" if r.converged else "")
         lines.append(f"{r.kernel:8} {m.fmt_n(r.n):>6} {r.m:>5} {m.fmt_bytes(r.naive_bytes):>10} {source:5} "
                      f"{m.fmt_bytes(r.tf_memsafe_bytes):>10} {fits:4} {m.fmt_bytes(r.predict_bytes):>9} "
-                     f"{num(r.tf_memsafe_s, '.3f'):>8} {num(r.naive_s, '.3f'):>8} {num(r.nit, 'd'):>4} "
+                     f"{num(r.tf_memsafe_s, '.3f'):>8} {num(r.naive_s, '.3f'):>8} {nit:>5} "
                      f"{num(r.elbo, '.2f'):>12} {num(r.rmse, '.4f'):>7} {num(r.nlpd, '.4f'):>7}  {tail[:90]}")
     lines += ["", "naive: XLA's footprint of the program as written, compiled only ('model': the memory model's "
               "estimate); fits: tf_memsafe's within the limit (*: its predictions are not); s/eval: seconds per "
-              "loss and gradient; nit, ELBO, RMSE, NLPD: tf_memsafe's training (RMSE, NLPD standardised)",
+              "loss and gradient; nit, ELBO, RMSE, NLPD: tf_memsafe's training (c: L-BFGS converged before --maxiter; "
+              "RMSE, NLPD standardised)",
               "", f"largest N within {m.fmt_bytes(limit)}", f"{'kernel':8} {'M':>5} {'naive':>8} {'tf_memsafe':>10}"]
     for x in reach(rows):
         naive, tfms = x["naive_largest_n_fits"], x["tf_memsafe_largest_n_fits"]

@@ -63,8 +63,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
 
+from grappler_ext import folding
 from grappler_ext.pairwise_distance import FUSED_REDUCTION_MAX
 from grappler_ext.verifier import live_ops, topological_order
 
@@ -150,11 +150,8 @@ class Rule:
 
 
 def _const(t: tf.Tensor) -> np.ndarray | None:
-    """The value of ``t`` when TF can fold it at trace time (a ``Const``, a static ``Shape``)."""
-    try:
-        return tensor_util.constant_value(t)
-    except (TypeError, ValueError):
-        return None
+    """The value of ``t`` when the graph computes it from constants only (:func:`folding.static_value`)."""
+    return folding.static_value(t)
 
 
 def _dims(t: tf.Tensor) -> list[int] | None:

@@ -39,10 +39,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
 
+from grappler_ext import folding
 from grappler_ext.combiners import Combiner, join_slices
 from grappler_ext.split_rules import clone_op
 
@@ -93,8 +92,7 @@ def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
 def _inline_constant(t: tf.Tensor):
     if not t.shape.is_fully_defined() or t.shape.num_elements() > _INLINE_CONSTANT_MAX_ELEMENTS:
         return None
-    value = tensor_util.constant_value(t)
-    return None if value is None else np.asarray(value)
+    return folding.static_value(t)
 
 
 def _prologue_outputs(region: Region) -> set:

@@ -68,7 +68,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.framework import tensor_util
+
+from grappler_ext import folding
 
 __all__ = [
     "Propagation",
@@ -326,8 +327,7 @@ def _dims(t: tf.Tensor) -> list[int]:
 
 
 def _const(t: tf.Tensor) -> np.ndarray | None:
-    value = tensor_util.constant_value(t)
-    return None if value is None else np.asarray(value)
+    return folding.static_value(t)
 
 
 def _const_axes(t: tf.Tensor, rank: int) -> list[int] | None:

@@ -101,7 +101,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-from grappler_ext import combiners, gradients, graph_edit, memory_model, split_rules
+from grappler_ext import combiners, folding, gradients, graph_edit, memory_model, split_rules
 from grappler_ext.chunk_plan import ChunkPlan, plan_chunks
 from grappler_ext.pass_base import SKIPPED, GraphPass, PassResult
 from grappler_ext.pipeline import register_pass
@@ -188,7 +188,7 @@ def _nbytes(t: tf.Tensor) -> int:
 
 
 def _const_axes(t: tf.Tensor, rank: int) -> list[int] | None:
-    value = tensor_util.constant_value(t)
+    value = folding.static_value(t)
     if value is None:
         return None
     return sorted({int(a) % rank for a in np.asarray(value).reshape(-1)})

@@ -10,6 +10,7 @@ import gpflow
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras as keras
 
 import tf_memsafe
 
@@ -89,3 +90,83 @@ def test_scipy_training_as_gpflow_compiles_it():
     assert any(r.pass_name == "splitter" for r in rewrites())
     assert got[1] == expected[1]
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-8)
+
+
+def sgpr_model(kernel):
+    """A fresh SGPR of the module's size: N = 20000 points, M = 200 inducing points."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((N, 3))
+    Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
+    return gpflow.models.SGPR((X, Y), kernel=kernel(lengthscales=np.ones(3)), inducing_variable=X[:M].copy())
+
+
+def compare_compiled(fn, limit, rtol):
+    """``fn`` compiled as written and under tf_memsafe: equal results, XLA's figure over the limit
+    as written and within it rewritten (``strict``: a best effort would raise)."""
+    expected = tf.function(fn, jit_compile=True)()
+    tf_memsafe.enable(limit, strict=True)
+    got = tf.function(fn, jit_compile=True)()
+    assert any(r.pass_name == "splitter" for r in rewrites())
+    assert_close(got, expected, rtol)
+    assert tf_memsafe.memory_footprint(fn, rewrite=False) > 2 * limit
+    assert tf_memsafe.memory_footprint(fn) <= limit
+
+
+@pytest.mark.parametrize("kernel", [gpflow.kernels.SquaredExponential, gpflow.kernels.Matern32])
+def test_predictions_over_a_test_set_as_large_as_the_training_set(kernel):
+    """predict_f (marginal), predict_y and predict_log_density over T = N = 20000 test points."""
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
+        model = sgpr_model(kernel)
+        X_test = np.random.default_rng(1).standard_normal((N, 3))
+        Y_test = np.sin(X_test[:, :1])
+        compare_compiled(lambda: (model.predict_f(X_test), model.predict_y(X_test),
+                                  model.predict_log_density((X_test, Y_test))), LIMIT, 1e-10)
+
+
+def test_full_covariance_predictions():
+    """predict_f(full_cov=True): the [T, T] covariance itself (8 MB at T = 1000) must fit."""
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
+        model = sgpr_model(gpflow.kernels.SquaredExponential)
+        X_test = np.random.default_rng(1).standard_normal((1000, 3))
+        compare_compiled(lambda: model.predict_f(X_test, full_cov=True), 3 * LIMIT, 1e-10)
+
+
+def test_gpr_predictions_over_a_large_test_set():
+    """GPR with N = 500 training points (they fit) predicting at T = 20000: K(X, X*) is [500, 20000],
+    transposed by GPflow with a computed permutation (see grappler_ext/folding.py)."""
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
+        rng = np.random.default_rng(2)
+        X = rng.standard_normal((500, 3))
+        model = gpflow.models.GPR((X, np.sin(X[:, :1]) + 0.1 * rng.standard_normal((500, 1))),
+                                  kernel=gpflow.kernels.Matern32(lengthscales=np.ones(3)))
+        X_test = rng.standard_normal((20000, 3))
+        compare_compiled(lambda: (model.predict_f(X_test), model.predict_log_density((X_test, np.sin(X_test[:, :1])))),
+                         LIMIT, 1e-10)
+
+
+def test_adam_training_step_with_the_tape_inside():
+    """A jit-compiled step (tape inside, tf_keras Adam): the same losses and variables after 3 steps."""
+    def train():
+        with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
+            model = sgpr_model(gpflow.kernels.Matern32)
+            optimizer = keras.optimizers.Adam(0.01)
+
+            @tf.function(jit_compile=True)
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = model.training_loss()
+                optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                              model.trainable_variables))
+                return loss
+
+            losses = [float(step()) for _ in range(3)]
+            return losses, [v.numpy() for v in model.trainable_variables]
+
+    expected = train()
+    tf_memsafe.enable(LIMIT, strict=True)
+    got = train()
+    assert any(r.pass_name == "splitter" and r.reason.endswith("1 gradient inside the function rebuilt")
+               for r in rewrites())
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-10)
+    assert got[0][-1] < got[0][0]
+    assert_close(got[1], expected[1], 1e-8)
