@@ -17,14 +17,18 @@ import tf_memsafe
 N, M, LIMIT = 20000, 200, 16 * 10**6
 
 
+def sgpr_model(kernel):
+    """A fresh SGPR of the module's size: N = 20000 points, M = 200 inducing points."""
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((N, 3))
+    Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
+    return gpflow.models.SGPR((X, Y), kernel=kernel(lengthscales=np.ones(3)), inducing_variable=X[:M].copy())
+
+
 @pytest.fixture(scope="module")
 def model():
     with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
-        rng = np.random.default_rng(0)
-        X = rng.standard_normal((N, 3))
-        Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
-        kernel = gpflow.kernels.SquaredExponential(lengthscales=np.ones(3))
-        yield gpflow.models.SGPR((X, Y), kernel=kernel, inducing_variable=X[:M].copy())
+        yield sgpr_model(gpflow.kernels.SquaredExponential)
 
 
 def rewrites():
@@ -74,11 +78,7 @@ def test_scipy_training_as_gpflow_compiles_it():
     """gpflow.optimizers.Scipy with compile=True and jit: loss and gradient in one XLA program."""
     def train():
         with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
-            rng = np.random.default_rng(0)
-            X = rng.standard_normal((N, 3))
-            Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
-            m = gpflow.models.SGPR((X, Y), kernel=gpflow.kernels.SquaredExponential(lengthscales=np.ones(3)),
-                                   inducing_variable=X[:M].copy())
+            m = sgpr_model(gpflow.kernels.SquaredExponential)
             result = gpflow.optimizers.Scipy().minimize(
                 m.training_loss, m.trainable_variables, compile=True, tf_fun_args={"jit_compile": True},
                 options=dict(maxiter=3))
@@ -91,13 +91,6 @@ def test_scipy_training_as_gpflow_compiles_it():
     assert got[1] == expected[1]
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-8)
 
-
-def sgpr_model(kernel):
-    """A fresh SGPR of the module's size: N = 20000 points, M = 200 inducing points."""
-    rng = np.random.default_rng(0)
-    X = rng.standard_normal((N, 3))
-    Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
-    return gpflow.models.SGPR((X, Y), kernel=kernel(lengthscales=np.ones(3)), inducing_variable=X[:M].copy())
 
 
 def compare_compiled(fn, limit, rtol):
