@@ -3,7 +3,7 @@
     python -m experiments.sgpr [--quick] [--out experiments/results] [--limit 1GB] [--run-limit 8GB]
         [--sizes 1e4 3e4 1e5 3e5 1e6] [--inducing 500 1000 2000] [--kernels se matern32]
         [--data PATH] [--train | --no-train] [--train-max-n 1e4] [--maxiter 50] [--repeats 3] [--seed 0]
-        [--test-points T] [--resume]
+        [--test-points T] [--resume [--redo]] [--note TEXT]
 
 The model is ``gpflow.models.SGPR`` as GPflow ships it, float64, with a ``SquaredExponential``
 (``se``) or ``Matern32`` (``matern32``) kernel with ARD lengthscales (initially ones), the inducing
@@ -54,7 +54,8 @@ run: the note says so.
 The full sweep takes hours on 2 cores (at N = 1e6 one loss-and-gradient evaluation takes minutes):
 the results are written after every point, and ``--resume`` keeps the points an earlier run with
 the same settings left in ``--out`` (failed points are measured again; the JSON's ``note`` says how
-many were carried over), so a sweep can be run in parts.
+many were carried over), so a sweep can be run in parts; ``--redo`` measures the points the run
+names again (after a change to tf_memsafe that affects them) and keeps the rest.
 
 Results: ``sgpr.csv``, ``sgpr.json`` and ``sgpr.png`` (footprints against N on log axes with the
 limit, naive measured and model-predicted marked apart; seconds per loss-and-gradient against N;
@@ -74,6 +75,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -680,6 +682,16 @@ def carried_over(path: str, meta: dict) -> list[Row] | str:
     return [r for r in rows if not r.skipped or r.skipped.startswith("M = ")]
 
 
+def earlier_remark(path: str) -> str:
+    """The remark (``--note``) of the run that wrote ``path``: its note less the count of carried points."""
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        note = json.load(f).get("note", "")
+    return re.sub(r"^\d+ of the \d+ points were carried over from an earlier run with the same settings "
+                  r"\(--resume\)(; )?", "", note)
+
+
 def restore(previous: tf_memsafe.Options | None) -> None:
     """Enable tf_memsafe again with ``previous`` options, if it was enabled before ``main``."""
     if previous is None:
@@ -715,7 +727,14 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep the points already in --out's sgpr.json (written with the same settings) and "
                              "measure only the others; results are written after every point either way")
+    parser.add_argument("--redo", action="store_true",
+                        help="with --resume, measure the points this run names (--sizes x --kernels x --inducing) "
+                             "again and keep the rest (after a change to tf_memsafe that affects them)")
+    parser.add_argument("--note", help="a remark on how the run was made, written into the JSON's note (an earlier "
+                                       "run's remark is kept with --resume unless this replaces it)")
     args = parser.parse_args(argv)
+    if args.redo and not args.resume:
+        parser.error("--redo measures points of an earlier run again: it needs --resume")
     quick = args.quick
     limit = tf_memsafe.parse_memory_limit(args.limit or ("3MB" if quick else "1GB")).resolve(0)
     run_limit = tf_memsafe.parse_memory_limit(args.run_limit).resolve(0)
@@ -749,14 +768,17 @@ def main(argv=None) -> int:
     rows = carried_over(stem + ".json", meta) if args.resume else []
     if isinstance(rows, str):
         parser.error(rows)
+    if args.redo:
+        rows = [r for r in rows if not (r.n in sizes and r.kernel in kernels and r.m in inducing)]
+    remark = args.note if args.note is not None else earlier_remark(stem + ".json") if rows else ""
     carried = len(rows)
     done = {(r.kernel, r.n, r.m) for r in rows}
     order = lambda r: (r.n, kernels.index(r.kernel) if r.kernel in kernels else len(kernels), r.m)
 
     def write() -> None:
         rows.sort(key=order)
-        note = (f"{carried} of the {len(rows)} points were carried over from an earlier run with the same settings "
-                "(--resume)" if carried else "")
+        note = joined(f"{carried} of the {len(rows)} points were carried over from an earlier run with the same "
+                      "settings (--resume)" if carried else "", remark)
         m.write_outputs(rows, Row, stem, {**m.machine(), **meta, "tolerances": TOLERANCES, "reach": reach(rows),
                                          **({"note": note} if note else {})})
 

@@ -4,7 +4,8 @@
 
 When the memory model (:mod:`grappler_ext.memory_model`) predicts that the program exceeds
 ``Options.memory_limit_bytes``, the pass takes the largest tensor the program materialises and
-looks, among the ops it feeds, for a *root*: an op whose result is small but whose operands are
+looks, among the ops it feeds (8 ops deep; 32 if none of those meets the limit: SGPR's predictive
+density is 14 ops after K(Z, X*)), for a *root*: an op whose result is small but whose operands are
 large.  For each way of splitting the root it grows a *region* backwards with the split-axis
 rules of :mod:`grappler_ext.split_rules`, asks the policy :func:`grappler_ext.chunk_plan.plan_chunks`
 for the largest chunk that fits, and builds the loop with :mod:`grappler_ext.split_loop`:
@@ -165,6 +166,7 @@ BACKWARD_COST_FACTOR = 5.0
 # this fraction of them (beyond that, smaller slices only cost steps), and a warning says so.
 BEST_EFFORT_FRACTION = 0.1
 _MAX_ROOT_DEPTH = 8  # how many ops downstream of the large tensor roots are looked for
+_MAX_ROOT_DEPTH_WIDE = 32  # ... when none of those meets the limit
 # A prologue (see the module docstring) replaces a tensor read whole by inputs at most this share of its bytes, and
 # takes at most PROLOGUE_OPS ops to get there (an attention's keys: einsum and bias, 1/8).
 PROLOGUE_SHARE = 0.5
@@ -597,50 +599,30 @@ class Splitter(GraphPass):
 
     def _split_around(self, graph, tensor, info, est, order_index, graph_outputs, budget, result, backward):
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
-        best, reasons = None, []
-        candidates = [[option] for root in _downstream(tensor.op, order_index) for option in _root_options(root)]
+        reasons: list[str] = []
+        near = _downstream(tensor.op, order_index, _MAX_ROOT_DEPTH)
+        candidates = [[option] for root in near for option in _root_options(root)]
         # Several readers reducing the same axis of the tensor (SGPR's A A^T and A err): one loop.
         for axis in range(tensor.shape.rank or 0):
             together = _forward_roots(tensor, axis, order_index, graph_outputs, backward)
             if isinstance(together, list) and len(together) > 1:
                 candidates.append(together)
         reseed = split_rules.Reseed() if self._redraw else None
-        for options in candidates:
-            grown = _grow(options, graph_outputs, order_index, backward, reseed)
-            if isinstance(grown, str):
-                reasons.append(grown)
-                continue
-            if tensor.op not in grown.included:
-                if grown.stops:
-                    reasons.append(grown.stops[0])
-                continue
-            if backward:
-                grown.region.prologue = _prologue(grown, order_index, graph_outputs, backward, budget)
-            planned = self._plan(options, grown, info, est, budget, backward)
-            if isinstance(planned, str):
-                reasons.append(planned)
-                continue
-            plan, backward_chunk, best_effort, per_unit, backward_unit = planned
-            held = _held_for_backward(grown, info, backward, {o.root for o in options if o.kind == "concat"})
-            remat = not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2
-            if remat:
-                # The region fits whole, but the gradients inside the function hold its tensors from
-                # the forward to the backward: a loop recomputes them there instead.
-                plan = _split_anyway(plan, per_unit)
-                backward_chunk = min(backward_chunk, plan.chunk)
-            # Plans that meet the limit first; among them, those whose joined result is small (a
-            # region reaching on to a reduction, rather than stopping at a large tensor it writes
-            # whole: SGPR's K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the
-            # region through A A^T and A err, 3 steps, left none), the fewest steps, then the one
-            # freeing the most bytes the gradients would hold; then the fewest bytes among those
-            # that cannot (a best effort is judged by what it leaves); a plan that does not split last.
-            steps = plan.steps + (1 if plan.tail else 0)
-            joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
-            key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
-                   else (not plan.splits, False, joined > MIN_TENSOR_FRACTION * budget, steps, -held,
-                         plan.predicted_bytes))
-            if best is None or key < best[0]:
-                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat)
+        best = self._best_root(candidates, tensor, info, est, order_index, graph_outputs, budget, backward,
+                               reseed, reasons)
+        if best is None or best[5] or not best[3].splits:
+            # No root nearby meets the limit: the region that does may end farther down (SGPR's
+            # predictive density reads the test points' kernel matrix 14 ops later).
+            # Only roots whose joined result could be planned at all (see _plan): the wider search
+            # reaches hundreds of ops in a Transformer's training step.
+            seen = set(near)
+            far = [[option] for root in _downstream(tensor.op, order_index, _MAX_ROOT_DEPTH_WIDE)
+                   if root not in seen for option in _root_options(root)
+                   if option.kind != "concat" or sum(_nbytes(t) for t in root.outputs) <= budget / 2]
+            wider = self._best_root(far, tensor, info, est, order_index, graph_outputs, budget, backward,
+                                    reseed, reasons)
+            if wider is not None and (best is None or wider[0] < best[0]):
+                best = wider
         if best is None:
             why = reasons[0] if reasons else "no op downstream reduces it or has a split rule"
             result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({info[tensor.name].bytes:,} B): {why}",
@@ -713,6 +695,51 @@ class Splitter(GraphPass):
                        + (f"; {best_effort}" if best_effort else ""),
                        bytes_before=region_bytes, bytes_after=plan.predicted_bytes)
         return grown.included | set(prologue)
+
+    def _best_root(self, candidates, tensor, info, est, order_index, graph_outputs, budget, backward, reseed,
+                   reasons: list[str]) -> tuple | None:
+        """The best plan among ``candidates`` (lists of root options split together) whose region
+        takes ``tensor`` in, as ``(key, options, grown, plan, backward_chunk, best_effort, per_unit,
+        backward_unit, remat)`` (the smallest key is best), or ``None``; why the others fail is
+        appended to ``reasons``."""
+        best = None
+        for options in candidates:
+            grown = _grow(options, graph_outputs, order_index, backward, reseed)
+            if isinstance(grown, str):
+                reasons.append(grown)
+                continue
+            if tensor.op not in grown.included:
+                if grown.stops:
+                    reasons.append(grown.stops[0])
+                continue
+            if backward:
+                grown.region.prologue = _prologue(grown, order_index, graph_outputs, backward, budget)
+            planned = self._plan(options, grown, info, est, budget, backward)
+            if isinstance(planned, str):
+                reasons.append(planned)
+                continue
+            plan, backward_chunk, best_effort, per_unit, backward_unit = planned
+            held = _held_for_backward(grown, info, backward, {o.root for o in options if o.kind == "concat"})
+            remat = not plan.splits and held > MIN_TENSOR_FRACTION * budget and plan.length >= 2
+            if remat:
+                # The region fits whole, but the gradients inside the function hold its tensors from
+                # the forward to the backward: a loop recomputes them there instead.
+                plan = _split_anyway(plan, per_unit)
+                backward_chunk = min(backward_chunk, plan.chunk)
+            # Plans that meet the limit first; among them, those whose joined result is small (a
+            # region reaching on to a reduction, rather than stopping at a large tensor it writes
+            # whole: SGPR's K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the
+            # region through A A^T and A err, 3 steps, left none), the fewest steps, then the one
+            # freeing the most bytes the gradients would hold; then the fewest bytes among those
+            # that cannot (a best effort is judged by what it leaves); a plan that does not split last.
+            steps = plan.steps + (1 if plan.tail else 0)
+            joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+            key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
+                   else (not plan.splits, False, joined > MIN_TENSOR_FRACTION * budget, steps, -held,
+                         plan.predicted_bytes))
+            if best is None or key < best[0]:
+                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat)
+        return best
 
     def _plan(self, options, grown, info, est, budget, backward,
               measured: float | None = None) -> tuple[ChunkPlan, int, str, float, float] | str:
@@ -1242,10 +1269,10 @@ def call_seed() -> tf.Tensor:
     return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
 
 
-def _downstream(op: tf.Operation, order_index: dict) -> list[tf.Operation]:
-    """Ops reachable from ``op`` through data edges within a few steps, farthest first."""
+def _downstream(op: tf.Operation, order_index: dict, depth: int) -> list[tf.Operation]:
+    """Ops reachable from ``op`` through data edges within ``depth`` steps, farthest first."""
     seen, frontier, found = {op}, [op], [op]
-    for _ in range(_MAX_ROOT_DEPTH):
+    for _ in range(depth):
         nxt = []
         for o in frontier:
             for t in o.outputs:

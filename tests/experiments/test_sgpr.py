@@ -196,3 +196,21 @@ def test_resume_keeps_the_points_of_an_earlier_run_with_the_same_settings(tmp_pa
     assert data["note"].startswith("1 of the 2 points were carried over")
     with pytest.raises(SystemExit):
         sgpr.main(quick + ["--inducing", "50", "--resume", "--limit", "4MB"])
+
+
+def test_redo_measures_the_named_points_again_and_keeps_the_rest_and_the_remark(tmp_path):
+    """--resume --redo: the points the run names are measured again, the others and the earlier
+    run's --note kept.  (M > N points: nothing is compiled.)"""
+    quick = ["--quick", "--sizes", "2000", "--out", str(tmp_path)]
+    assert sgpr.main(quick + ["--inducing", "5000", "6000", "--note", "timings shared the CPU"]) == 0
+    stored = json.loads((tmp_path / "sgpr.json").read_text())
+    for row in stored["rows"]:
+        row["tf_memsafe_s"] = 1.25                                 # as if measured
+    (tmp_path / "sgpr.json").write_text(json.dumps(stored))
+    assert sgpr.main(quick + ["--inducing", "6000", "--resume", "--redo"]) == 0
+    data = json.loads((tmp_path / "sgpr.json").read_text())
+    assert [(r["m"], r["tf_memsafe_s"]) for r in data["rows"]] == [(5000, 1.25), (6000, None)]
+    assert data["note"] == ("1 of the 2 points were carried over from an earlier run with the same settings "
+                            "(--resume); timings shared the CPU")
+    with pytest.raises(SystemExit):
+        sgpr.main(quick + ["--inducing", "6000", "--redo"])

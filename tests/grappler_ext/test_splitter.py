@@ -271,6 +271,44 @@ def test_outputs_that_keep_the_split_axis_end_one_shared_loop():
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12 * np.abs(e).max())
     assert after <= 4 * 10**6 < tf_memsafe.memory_footprint(predict, z, x, c, rewrite=False)
 
+
+def sgpr_log_density(z, x, y, xs, ys):
+    """SGPR's predictive log density as GPflow computes it (unit kernel variance and noise): the
+    training side reduces [M, N] tensors to B and c; the test side reads K(Z, X*) [M, T] through two
+    solves, the mean, the variance and the density, its [T] result 14 ops after K(Z, X*)."""
+    m = z.shape[0]
+    eye = tf.eye(m, dtype=z.dtype)
+    chol = tf.linalg.cholesky(tf.exp(-sq_dist(z, z)) + 1e-6 * eye)
+    a = tf.linalg.triangular_solve(chol, tf.exp(-sq_dist(z, x)))                    # [M, N]
+    chol_b = tf.linalg.cholesky(tf.matmul(a, a, transpose_b=True) + eye)
+    c = tf.linalg.triangular_solve(chol_b, a @ y)                                   # [M, 1]
+    tmp1 = tf.linalg.triangular_solve(chol, tf.exp(-sq_dist(z, xs)))                # [M, T]
+    tmp2 = tf.linalg.triangular_solve(chol_b, tmp1)                                 # [M, T]
+    mean = tf.matmul(tmp2, c, transpose_a=True)[:, 0]                               # [T]
+    var = 2.0 + tf.reduce_sum(tf.square(tmp2), 0) - tf.reduce_sum(tf.square(tmp1), 0)
+    return -0.5 * (np.log(2 * np.pi) + tf.math.log(var) + tf.square(ys - mean) / var)
+
+
+def test_the_test_points_side_of_a_predictive_density_is_one_loop():
+    """After the training side's loop over N, the test side -- K(Z, X*) [M, T], both solves, the
+    mean, the variance and the density -- is one loop over T, not a loop per solve.  M = 100,
+    N = 20000, T = 6000 f64 under 12 MB: [M, N] is 16 MB, [M, T] 4.8 MB.  (GPflow's own graph, where
+    the density lies beyond the first search for roots, is tested in tests/integration/test_sgpr.py.)"""
+    args = (points(100, 3, tf.float64), points(20000, 3, tf.float64, seed=1), points(20000, 1, tf.float64, seed=2),
+            points(6000, 3, tf.float64, seed=3), points(6000, 1, tf.float64, seed=4)[:, 0])
+    limit = 12 * 10**6
+    expected = tf.function(sgpr_log_density, jit_compile=True)(*args)
+    tf_memsafe.enable(limit, strict=True)
+    with splitter_only():
+        got = tf.function(sgpr_log_density, jit_compile=True)(*args)
+        after = tf_memsafe.memory_footprint(sgpr_log_density, *args)
+    reasons = sorted({r.reason.split(":")[0] for r in rewrites()})
+    assert reasons == ["`AddV2` concat over input 0 axis 0, input 1 axis 0",
+                       "`MatMul` sum over input 0 axis 1, input 1 axis 1 and `MatMul` sum"], reasons
+    np.testing.assert_allclose(got, expected, rtol=1e-9)
+    assert after <= limit < tf_memsafe.memory_footprint(sgpr_log_density, *args, rewrite=False)
+
+
 def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
     """Column max and min of a [3000, 2000] f64 matrix (48 MB) whose entries tie often (rounded
     inputs): the split keeps the tie counts, so each tied element gets dy / T as unsplit.  (Only

@@ -17,12 +17,12 @@ import tf_memsafe
 N, M, LIMIT = 20000, 200, 16 * 10**6
 
 
-def sgpr_model(kernel):
-    """A fresh SGPR of the module's size: N = 20000 points, M = 200 inducing points."""
+def sgpr_model(kernel, m=M):
+    """A fresh SGPR of the module's size: N = 20000 points, ``m`` (200) inducing points."""
     rng = np.random.default_rng(0)
     X = rng.standard_normal((N, 3))
     Y = np.sin(X[:, :1]) + 0.1 * rng.standard_normal((N, 1))
-    return gpflow.models.SGPR((X, Y), kernel=kernel(lengthscales=np.ones(3)), inducing_variable=X[:M].copy())
+    return gpflow.models.SGPR((X, Y), kernel=kernel(lengthscales=np.ones(3)), inducing_variable=X[:m].copy())
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,31 @@ def test_predictions_over_a_test_set_as_large_as_the_training_set(kernel):
         Y_test = np.sin(X_test[:, :1])
         compare_compiled(lambda: (model.predict_f(X_test), model.predict_y(X_test),
                                   model.predict_log_density((X_test, Y_test))), LIMIT, 1e-10)
+
+
+def test_the_test_points_side_of_the_density_is_one_loop(monkeypatch):
+    """predict_log_density at M = 100, T = 6000 under 12 MB: the training side's [M, N] tensors are
+    split first (16 MB); then K(Z, X*) [M, T] (4.8 MB) reaches the density 14 ops down, beyond the
+    first search for roots, whose best is a best effort splitting one solve.  The wider search
+    takes the whole test side into one loop: two loops, 1.7x fewer bytes than the three that the
+    narrower search left."""
+    import grappler_ext.splitter as splitter_module
+
+    limit = 12 * 10**6
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
+        model = sgpr_model(gpflow.kernels.SquaredExponential, m=100)
+        X_test = np.random.default_rng(1).standard_normal((6000, 3))
+
+        def density():
+            return model.predict_log_density((X_test, np.sin(X_test[:, :1])))
+
+        compare_compiled(density, limit, 1e-10)
+        splits = {r.reason for r in rewrites() if r.pass_name == "splitter"}    # the same in each trace
+        assert len(splits) == 2 and any(" of 6000;" in r for r in splits), splits
+        wide = tf_memsafe.memory_footprint(density)
+        monkeypatch.setattr(splitter_module, "_MAX_ROOT_DEPTH_WIDE", splitter_module._MAX_ROOT_DEPTH)
+        narrow = tf_memsafe.memory_footprint(density)
+        assert wide < 0.8 * narrow
 
 
 def test_full_covariance_predictions():
