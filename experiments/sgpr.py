@@ -666,11 +666,15 @@ def plot(rows: list[Row], path: str, limit: int, title: str) -> None:
     plt.close(fig)
 
 
-def carried_over(path: str, meta: dict) -> list[Row] | str:
+CARRIED = "{} of the {} points were carried over from an earlier run with the same settings (--resume)"
+
+
+def carried_over(path: str, meta: dict) -> tuple[list[Row], str] | str:
     """The rows of an earlier run at ``path`` made with the same settings (``meta``), less the points
-    that failed (measured again); or why they cannot be kept.  No file: no rows."""
+    that failed (measured again), and that run's remark (``--note``: its note less the count of
+    carried points); or why they cannot be kept.  No file: no rows."""
     if not os.path.exists(path):
-        return []
+        return [], ""
     with open(path, encoding="utf-8") as f:
         earlier = json.load(f)
     differ = [f"{k} {earlier.get(k)!r} there, {v!r} here" for k, v in meta.items() if earlier.get(k) != v]
@@ -679,17 +683,9 @@ def carried_over(path: str, meta: dict) -> list[Row] | str:
                 "or write to another --out")
     names = {f.name for f in dataclasses.fields(Row)}
     rows = [Row(**{k: v for k, v in r.items() if k in names}) for r in earlier.get("rows", [])]
-    return [r for r in rows if not r.skipped or r.skipped.startswith("M = ")]
-
-
-def earlier_remark(path: str) -> str:
-    """The remark (``--note``) of the run that wrote ``path``: its note less the count of carried points."""
-    if not os.path.exists(path):
-        return ""
-    with open(path, encoding="utf-8") as f:
-        note = json.load(f).get("note", "")
-    return re.sub(r"^\d+ of the \d+ points were carried over from an earlier run with the same settings "
-                  r"\(--resume\)(; )?", "", note)
+    count = re.escape(CARRIED).replace(re.escape("{}"), r"\d+")
+    remark = re.sub(f"^{count}(; )?", "", earlier.get("note", ""))
+    return [r for r in rows if not r.skipped or r.skipped.startswith("M = ")], remark
 
 
 def restore(previous: tf_memsafe.Options | None) -> None:
@@ -765,20 +761,20 @@ def main(argv=None) -> int:
     meta = {"quick": quick, "limit_bytes": limit, "run_limit_bytes": run_limit, "data": source, "seed": args.seed,
             "maxiter": settings.maxiter, "train_max_n": settings.train_max_n if settings.train else 0,
             "repeats": settings.repeats, "test_points": args.test_points}
-    rows = carried_over(stem + ".json", meta) if args.resume else []
-    if isinstance(rows, str):
-        parser.error(rows)
+    earlier = carried_over(stem + ".json", meta) if args.resume else ([], "")
+    if isinstance(earlier, str):
+        parser.error(earlier)
+    rows, remark = earlier
     if args.redo:
         rows = [r for r in rows if not (r.n in sizes and r.kernel in kernels and r.m in inducing)]
-    remark = args.note if args.note is not None else earlier_remark(stem + ".json") if rows else ""
+    remark = args.note if args.note is not None else remark if rows else ""
     carried = len(rows)
     done = {(r.kernel, r.n, r.m) for r in rows}
     order = lambda r: (r.n, kernels.index(r.kernel) if r.kernel in kernels else len(kernels), r.m)
 
     def write() -> None:
         rows.sort(key=order)
-        note = joined(f"{carried} of the {len(rows)} points were carried over from an earlier run with the same "
-                      "settings (--resume)" if carried else "", remark)
+        note = joined(CARRIED.format(carried, len(rows)) if carried else "", remark)
         m.write_outputs(rows, Row, stem, {**m.machine(), **meta, "tolerances": TOLERANCES, "reach": reach(rows),
                                          **({"note": note} if note else {})})
 
