@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import typing
 import warnings
 
 import numpy as np
@@ -254,6 +255,20 @@ def _root_options(root: tf.Operation) -> list[_Option]:
                                    requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
                                    absorbed=(probs.op,)))
     return options
+
+
+class _Candidate(typing.NamedTuple):
+    """A root's plan, as :meth:`Splitter._best_root` ranks them (the smallest ``key`` is best)."""
+
+    key: tuple
+    options: list
+    grown: _Grown
+    plan: ChunkPlan
+    backward_chunk: int
+    best_effort: str
+    per_unit: float
+    backward_unit: float
+    remat: bool
 
 
 @dataclasses.dataclass
@@ -610,7 +625,7 @@ class Splitter(GraphPass):
         reseed = split_rules.Reseed() if self._redraw else None
         best = self._best_root(candidates, tensor, info, est, order_index, graph_outputs, budget, backward,
                                reseed, reasons)
-        if best is None or best[5] or not best[3].splits:
+        if best is None or best.best_effort or not best.plan.splits:
             # No root nearby meets the limit: the region that does may end farther down (SGPR's
             # predictive density reads the test points' kernel matrix 14 ops later).
             # Only roots whose joined result could be planned at all (see _plan): the wider search
@@ -618,10 +633,10 @@ class Splitter(GraphPass):
             seen = set(near)
             far = [[option] for root in _downstream(tensor.op, order_index, _MAX_ROOT_DEPTH_WIDE)
                    if root not in seen for option in _root_options(root)
-                   if option.kind != "concat" or sum(_nbytes(t) for t in root.outputs) <= budget / 2]
+                   if _joined_bytes([option]) <= budget / 2]
             wider = self._best_root(far, tensor, info, est, order_index, graph_outputs, budget, backward,
                                     reseed, reasons)
-            if wider is not None and (best is None or wider[0] < best[0]):
+            if wider is not None and (best is None or wider.key < best.key):
                 best = wider
         if best is None:
             why = reasons[0] if reasons else "no op downstream reduces it or has a split rule"
@@ -697,11 +712,9 @@ class Splitter(GraphPass):
         return grown.included | set(prologue)
 
     def _best_root(self, candidates, tensor, info, est, order_index, graph_outputs, budget, backward, reseed,
-                   reasons: list[str]) -> tuple | None:
+                   reasons: list[str]) -> _Candidate | None:
         """The best plan among ``candidates`` (lists of root options split together) whose region
-        takes ``tensor`` in, as ``(key, options, grown, plan, backward_chunk, best_effort, per_unit,
-        backward_unit, remat)`` (the smallest key is best), or ``None``; why the others fail is
-        appended to ``reasons``."""
+        takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
         best = None
         for options in candidates:
             grown = _grow(options, graph_outputs, order_index, backward, reseed)
@@ -733,12 +746,13 @@ class Splitter(GraphPass):
             # freeing the most bytes the gradients would hold; then the fewest bytes among those
             # that cannot (a best effort is judged by what it leaves); a plan that does not split last.
             steps = plan.steps + (1 if plan.tail else 0)
-            joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+            joined = _joined_bytes(options)
             key = ((not plan.splits, True, plan.predicted_bytes, steps) if best_effort
                    else (not plan.splits, False, joined > MIN_TENSOR_FRACTION * budget, steps, -held,
                          plan.predicted_bytes))
-            if best is None or key < best[0]:
-                best = (key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit, remat)
+            if best is None or key < best.key:
+                best = _Candidate(key, options, grown, plan, backward_chunk, best_effort, per_unit, backward_unit,
+                                  remat)
         return best
 
     def _plan(self, options, grown, info, est, budget, backward,
@@ -773,7 +787,7 @@ class Splitter(GraphPass):
             if ref.deref().op.type not in ("Placeholder", "Const"):
                 computed_outside += _nbytes(ref.deref())            # read whole by every slice
         root_out = sum(_nbytes(t) for o in options for t in o.root.outputs)
-        joined = sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+        joined = _joined_bytes(options)
         if joined > budget / 2:
             # Slices joined into a result this large save nothing: what reads the result must be
             # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
@@ -1267,6 +1281,11 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
 def call_seed() -> tf.Tensor:
     """The [2] int64 seed a loop's random draws key on, drawn anew at every call of the function."""
     return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
+
+
+def _joined_bytes(options) -> int:
+    """The bytes of the results the loop of ``options`` joins whole (its concat roots' outputs)."""
+    return sum(_nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
 
 
 def _downstream(op: tf.Operation, order_index: dict, depth: int) -> list[tf.Operation]:

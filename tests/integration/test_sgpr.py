@@ -92,7 +92,6 @@ def test_scipy_training_as_gpflow_compiles_it():
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-8)
 
 
-
 def compare_compiled(fn, limit, rtol):
     """``fn`` compiled as written and under tf_memsafe: equal results, XLA's figure over the limit
     as written and within it rewritten (``strict``: a best effort would raise)."""
@@ -120,8 +119,8 @@ def test_the_test_points_side_of_the_density_is_one_loop(monkeypatch):
     """predict_log_density at M = 100, T = 6000 under 12 MB: the training side's [M, N] tensors are
     split first (16 MB); then K(Z, X*) [M, T] (4.8 MB) reaches the density 14 ops down, beyond the
     first search for roots, whose best is a best effort splitting one solve.  The wider search
-    takes the whole test side into one loop: two loops, 1.7x fewer bytes than the three that the
-    narrower search left."""
+    takes the whole test side into one loop: two loops in all, and under 0.8x the bytes the
+    narrower search leaves."""
     import grappler_ext.splitter as splitter_module
 
     limit = 12 * 10**6
