@@ -150,6 +150,22 @@ def test_a_test_set_of_a_given_size_and_predictions_too_large_to_run():
     assert why.startswith("predictions not run: `predict_") and "> --run-limit" in why, why
 
 
+def test_a_training_budget_stops_lbfgs_and_says_so():
+    """``--train-hours``: L-BFGS ends at the first iteration past the budget, not converged, and the
+    note says why; without a budget it runs to its own end."""
+    import gpflow
+
+    split = sgpr.prepare(sgpr.road_network(400, seed=1), 300, seed=2)
+    settings = dict(limit=10**9, run_limit=10**9, repeats=1, train=True, train_max_n=300, maxiter=20, seed=0)
+    with gpflow.config.as_context(gpflow.config.Config(float=np.float64)):
+        stopped = sgpr.run_side(split, "se", 10, sgpr.Settings(**settings, train_hours=0.0), train=True,
+                                rewritten=False)
+        free = sgpr.run_side(split, "se", 10, sgpr.Settings(**settings), train=True, rewritten=False)
+    assert stopped.nit == 1 and stopped.converged is False and stopped.rmse is not None, stopped
+    assert "L-BFGS stopped: the 0 h training budget ran out after 1 iterations" in stopped.note, stopped.note
+    assert free.nit > 1 and "L-BFGS stopped" not in free.note, free.note
+
+
 def test_sizes_and_checks():
     assert sgpr.held_out_rows(2000) == 222 and sgpr.held_out_rows(10**6) == 111_111
     assert sgpr.largest_train(1000) == 900 and sgpr.largest_train(sgpr.UCI_3DROAD_ROWS) == 391_387
