@@ -781,8 +781,9 @@ def main(argv=None) -> int:
     sizes = sorted(set(sizes))
     stem = os.path.join(args.out, "sgpr")
     meta = {"quick": quick, "limit_bytes": limit, "run_limit_bytes": run_limit, "data": source, "seed": args.seed,
-            "maxiter": settings.maxiter, "train_hours": settings.train_hours, "train_max_n": settings.train_max_n if settings.train else 0,
-            "repeats": settings.repeats, "test_points": args.test_points}
+            "maxiter": settings.maxiter, "train_hours": settings.train_hours,
+            "train_max_n": settings.train_max_n if settings.train else 0, "repeats": settings.repeats,
+            "test_points": args.test_points}
     earlier = carried_over(stem + ".json", meta) if args.resume else ([], "")
     if isinstance(earlier, str):
         parser.error(earlier)
