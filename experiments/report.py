@@ -6,8 +6,10 @@
 Runs the experiments of :data:`EXPERIMENTS` in turn, in this process, each through its own
 ``main(["--out", OUT] + ["--quick"])`` (each stays runnable alone: ``python -m experiments.knn``,
 ...), then writes ``OUT/SUMMARY.md``: the machine, then per experiment what it measures, a table of
-its key numbers read from its JSON file, and its plot.  The summary covers every experiment whose
-results are in OUT, not only those run now; one without results gets "not run: <command>".
+its key numbers read from its JSON file, and its plot, then the same for each further run of it kept
+in a folder ``OUT/<stem>_<what>/`` (SGPR's training to convergence, a timing measured again alone).
+The summary covers every experiment whose results are in OUT, not only those run now; one without
+results gets "not run: <command>".
 
 An experiment that raises or returns non-zero is reported in the summary with the error's last
 line (the traceback goes to stderr), the others still run, and the report exits with 1; so it
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import importlib
 import importlib.util
 import json
@@ -236,16 +239,26 @@ def sgpr_lines(data: dict) -> list[str]:
             " (over)" if r.naive_within_limit is False else "")
         body.append([r.kernel, m.fmt_n(r.n), r.m, naive, footprint_cell(r.tf_memsafe_bytes, r.tf_memsafe_within_limit),
                      footprint_cell(r.predict_bytes, r.predict_within_limit), m.num(r.naive_s, ".3g"),
-                     m.num(r.tf_memsafe_s, ".3g"), m.num(r.grad_rel_err, ".1e"), r.nit if r.nit is not None else "-",
+                     m.num(r.tf_memsafe_s, ".3g"), m.num(r.grad_rel_err, ".1e"), training_cell(r),
                      m.num(r.elbo, ".6g"), m.num(r.rmse, ".4f"), m.num(r.nlpd, ".4f"),
                      r.same_params_check or r.check or "-"])
     return [f"Limit {m.fmt_bytes(data.get('limit_bytes'))}. XLA's footprint of the loss-and-gradient program as "
             "`gpflow.optimizers.Scipy` compiles it (tape inside), naive (compiled only where it does not fit) and "
             "under tf_memsafe; the larger of the `predict_y` / `predict_log_density` programs over the test set; "
-            "seconds per loss and gradient; the gradient's error against naive; L-BFGS iterations and the fit "
-            "where trained (standardised units); the check against the naive program.", "",
+            "seconds per loss and gradient; the gradient's error against naive; where trained, tf_memsafe's "
+            "L-BFGS iterations (whether scipy's convergence tests stopped it, and the wall time) and the fit "
+            "(standardised units); the check against the naive program.", "",
             *md_table(["kernel", "N", "M", "naive", "tf_memsafe", "predict", "naive s", "tf_memsafe s", "grad err",
-                       "L-BFGS its", "ELBO", "RMSE", "NLPD", "check"], body)]
+                       "L-BFGS", "ELBO", "RMSE", "NLPD", "check"], body)]
+
+
+def training_cell(row) -> str:
+    """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and minutes."""
+    if row.nit is None:
+        return "-"
+    took = "" if row.train_s is None else (f", {row.train_s:.0f} s" if row.train_s < 120 else
+                                           f", {row.train_s / 60:.0f} min")
+    return f"{row.nit} its{', converged' if row.converged else ''}{took}"
 
 
 def footprint_cell(value: int | None, within: bool | None) -> str:
@@ -379,9 +392,9 @@ def recorded(data: dict | None) -> tuple[str, str]:
 
 
 def section(exp: Experiment, path: str | None, data: dict | None, outcome: Outcome | None, out: str,
-            quick: bool) -> tuple[list[str], str]:
-    """``exp``'s Markdown section and the problem summarising it ("" if none)."""
-    lines, problem = [f"## {exp.title}", "", exp.what, ""], ""
+            quick: bool) -> tuple[list[str], list[str]]:
+    """``exp``'s Markdown section, its further runs' after it, and the problems summarising them."""
+    lines = [f"## {exp.title}", "", exp.what, ""]
     if outcome is not None and outcome.status == "failed":
         lines += [f"**This run failed**: {outcome.detail}"
                   + (" (the results below are from an earlier run)"
@@ -389,17 +402,46 @@ def section(exp: Experiment, path: str | None, data: dict | None, outcome: Outco
     if data is None:
         exists = importlib.util.find_spec(exp.module) is not None
         return lines + [f"not run: `{command(exp, out, quick)}`"
-                        + ("" if exists else f" (module {exp.module} does not exist yet)"), ""], problem
+                        + ("" if exists else f" (module {exp.module} does not exist yet)"), ""], []
+    main, problem = summarised(exp, path, data, out)
+    lines += main
+    problems = [problem] if problem else []
+    said = {line for line in main if line and not line.startswith("|")}
+    for path in further_runs(exp, out):
+        lines += [f"### Further run: `{os.path.relpath(os.path.dirname(path), out)}/`", ""]
+        try:
+            with open(path, encoding="utf-8") as f:
+                text, problem = summarised(exp, path, json.load(f), out)
+        except (OSError, ValueError) as e:
+            text, problem = [], m.failure(f"reading {path}", e)
+            lines += [f"**Could not read** `{os.path.relpath(path, out)}`: {problem}", ""]
+        # The legend the main run's table already gave is not repeated (its blank line neither).
+        for line, after in zip(text, text[1:] + [""]):
+            if not (line in said or (not line and after in said)):
+                lines.append(line)
+        problems += [problem] if problem else []
+    return lines, problems
+
+
+def further_runs(exp: Experiment, out: str) -> list[str]:
+    """The JSON files of ``exp``'s runs with other options, each in a folder ``OUT/<stem>_<what>/`` (the
+    SGPR training run to convergence, a timing measured again alone, ...), by folder name."""
+    return sorted(glob.glob(os.path.join(glob.escape(out), glob.escape(exp.stem) + "_*", exp.stem + ".json")))
+
+
+def summarised(exp: Experiment, path: str, data: dict, out: str) -> tuple[list[str], str]:
+    """One results file's note, table and plot (linked from ``out``), and the problem summarising it ("")."""
+    lines, problem = [], ""
     if data.get("note"):
         lines += [f"Note on this run: {data['note']}", ""]      # how the results were put together
     try:
         lines += exp.summarise(data)
     except Exception as e:  # noqa: BLE001 -- a JSON file this report cannot read is reported, not fatal
-        problem = m.failure(f"summarising {os.path.basename(path)}", e)
-        lines += [f"**Could not summarise** `{os.path.basename(path)}`: {problem}", ""]
+        problem = m.failure(f"summarising {os.path.relpath(path, out)}", e)
+        lines += [f"**Could not summarise** `{os.path.relpath(path, out)}`: {problem}", ""]
     png = os.path.splitext(path)[0] + ".png"
     if os.path.exists(png):
-        lines += [f"![{exp.title}]({os.path.basename(png)})", ""]
+        lines += [f"![{exp.title}]({os.path.relpath(png, out)})", ""]
     return lines, problem
 
 
@@ -435,9 +477,9 @@ def summary(out: str, quick: bool, outcomes: dict[str, Outcome]) -> tuple[str, l
              "the machine that ran them.", "", "## Machine", "", machine_line(), "",
              *md_table(head, body)]
     for exp in EXPERIMENTS:
-        text, problem = section(exp, *found[exp.name], outcomes.get(exp.name), out, quick)
+        text, trouble = section(exp, *found[exp.name], outcomes.get(exp.name), out, quick)
         lines += text
-        problems += [problem] if problem else []
+        problems += trouble
     return "\n".join(lines).rstrip() + "\n", problems
 
 

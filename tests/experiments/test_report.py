@@ -126,6 +126,37 @@ def test_sgpr_rows_are_tabled_naive_against_tf_memsafe():
                      tf_memsafe_s=12.1, grad_rel_err=3e-13, check="", same_params_check="")]
     lines = report.sgpr_lines({"limit_bytes": 10**9, "rows": [dataclasses.asdict(r) for r in rows]})
     assert "| se | 1e5 | 500 | 2 GiB (over) | 256 MiB | 512 MiB | 10.5 | 12.1 | 3.0e-13 | - | - | - | - | - |" in lines
+    trained = dataclasses.replace(rows[0], nit=41, converged=True, train_s=95.0, elbo=1.5, rmse=0.1, nlpd=-1.0)
+    lines = report.sgpr_lines({"limit_bytes": 10**9, "rows": [dataclasses.asdict(trained)]})
+    assert "| 3.0e-13 | 41 its, converged, 95 s | 1.5 | 0.1000 | -1.0000 | - |" in "\n".join(lines)
+
+
+def test_further_runs_in_folders_beside_the_main_one_are_summarised_after_it(tmp_path):
+    """``OUT/sgpr_<what>/sgpr.json`` (a training run to convergence, say): its own subsection with
+    note, table and plot after the main run's; one that cannot be read is reported."""
+    from experiments import sgpr
+
+    def sgpr_row(**values):
+        return row(sgpr.Row, kernel="se", n=10000, m=500, naive_source="measured", **values)
+
+    _results.write_outputs([sgpr_row(nit=30, converged=False, train_s=40.0)], sgpr.Row, str(tmp_path / "sgpr"),
+                           {"quick": False, "limit_bytes": 10**9})
+    (tmp_path / "sgpr_converged").mkdir()
+    _results.write_outputs([sgpr_row(nit=2761, converged=True, train_s=1800.0, elbo=16855.9)], sgpr.Row,
+                           str(tmp_path / "sgpr_converged" / "sgpr"),
+                           {"quick": False, "limit_bytes": 10**9, "note": "trained alone on the CPU"})
+    (tmp_path / "sgpr_converged" / "sgpr.png").write_bytes(b"not really a png")
+    (tmp_path / "sgpr_broken").mkdir()
+    (tmp_path / "sgpr_broken" / "sgpr.json").write_text("{")
+    assert report.main(["--summary-only", "--out", str(tmp_path)]) == 1
+    text = (tmp_path / "SUMMARY.md").read_text()
+    main, further = text.split("### Further run: `sgpr_broken/`")
+    assert "| 30 its, 40 s | 16855.9 |" not in main and "| 30 its, 40 s |" in main
+    assert "**Could not read** `sgpr_broken/sgpr.json`: reading " in further
+    converged = further.split("### Further run: `sgpr_converged/`")[1]
+    assert "Note on this run: trained alone on the CPU" in converged and "Limit" not in converged
+    assert "| 2761 its, converged, 30 min | 16855.9 |" in converged
+    assert "![SGPR](sgpr_converged/sgpr.png)" in converged
 
 
 def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
