@@ -403,10 +403,10 @@ def section(exp: Experiment, path: str | None, data: dict | None, outcome: Outco
         exists = importlib.util.find_spec(exp.module) is not None
         return lines + [f"not run: `{command(exp, out, quick)}`"
                         + ("" if exists else f" (module {exp.module} does not exist yet)"), ""], []
-    main, problem = summarised(exp, path, data, out)
-    lines += main
+    text, problem = summarised(exp, path, data, out)
+    lines += text
     problems = [problem] if problem else []
-    said = {line for line in main if line and not line.startswith("|")}
+    said = {line for line in text if line and not line.startswith("|")}
     for path in further_runs(exp, out):
         lines += [f"### Further run: `{os.path.relpath(os.path.dirname(path), out)}/`", ""]
         try:
