@@ -429,7 +429,7 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
         out.note = joined(out.note, "L-BFGS stopped: " + budget.stopped)
     if len(opt.compile_cache) != 1:
         out.note = joined(out.note, "minimize compiled a second loss-and-gradient function")
-    too_large = predictions_over(model, split, s.run_limit, rewritten)
+    too_large = predictions_over(model, split, s, rewritten)
     out.note = joined(out.note, too_large)
     predict_fns = [] if too_large else [tf.function(fn, jit_compile=True) for fn in predictors(model, split)]
     figures = []
@@ -452,14 +452,20 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     return out
 
 
-def predictions_over(model, split: Split, run_limit: int, rewritten: bool) -> str:
+def predictions_over(model, split: Split, s: Settings, rewritten: bool) -> str:
     """Why the test-set predictions must not run (a program's footprint, compiled only, over
-    ``run_limit``: the naive ``predict_y`` over a million test points needs 16 GB), or ""."""
+    ``--run-limit``: the naive ``predict_y`` over a million test points needs 16 GB), or "".
+
+    tf_memsafe's programs are built to fit ``--limit``: they are held to the larger of the two
+    (a small ``--run-limit``, there to keep the naive side from running, must not stop them).
+    """
+    bound = max(s.run_limit, s.limit) if rewritten else s.run_limit
     for fn in predictors(model, split):
         figure, _ = m.footprint(fn, (), rewrite=rewritten)
-        if figure is not None and figure > run_limit:
-            return (f"predictions not run: `{fn.__name__}` footprint {m.fmt_bytes(figure)} > --run-limit "
-                    f"{m.fmt_bytes(run_limit)}")
+        if figure is not None and figure > bound:
+            return (f"predictions not run: `{fn.__name__}` footprint {m.fmt_bytes(figure)} > "
+                    + (f"--run-limit {m.fmt_bytes(bound)}" if bound == s.run_limit else
+                       f"--limit {m.fmt_bytes(bound)}"))
     return ""
 
 

@@ -145,9 +145,14 @@ def test_a_test_set_of_a_given_size_and_predictions_too_large_to_run():
     with gpflow.config.as_context(gpflow.config.Config(float=np.float64)):
         model = sgpr.make_model(split, 20, "se")
         figure = tf_memsafe.memory_footprint(sgpr.predictors(model, split)[1], rewrite=False)
-        assert sgpr.predictions_over(model, split, figure * 2, rewritten=False) == ""
-        why = sgpr.predictions_over(model, split, figure // 2, rewritten=False)
+        settings = dict(repeats=1, train=True, train_max_n=500, maxiter=1, seed=0)
+        assert sgpr.predictions_over(model, split, sgpr.Settings(10**9, figure * 2, **settings), False) == ""
+        why = sgpr.predictions_over(model, split, sgpr.Settings(10**9, figure // 2, **settings), False)
+        # tf_memsafe's side is held to --limit when --run-limit is smaller (set to skip the naive side).
+        assert sgpr.predictions_over(model, split, sgpr.Settings(figure * 2, 1, **settings), True) == ""
+        over = sgpr.predictions_over(model, split, sgpr.Settings(figure // 2, 1, **settings), True)
     assert why.startswith("predictions not run: `predict_") and "> --run-limit" in why, why
+    assert over.startswith("predictions not run: `predict_") and "> --limit" in over, over
 
 
 def test_a_training_budget_stops_lbfgs_and_says_so():
