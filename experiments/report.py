@@ -253,7 +253,7 @@ def sgpr_lines(data: dict) -> list[str]:
 
 
 def training_cell(row) -> str:
-    """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and minutes."""
+    """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and the wall time."""
     if row.nit is None:
         return "-"
     took = "" if row.train_s is None else (f", {row.train_s:.0f} s" if row.train_s < 120 else
