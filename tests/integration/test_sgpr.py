@@ -6,6 +6,8 @@ needs 175 MB measured.  With a 16 MB limit, the splitter computes Kuf and A in s
 in one loop that accumulates both A A^T and A err, and the gradients are rebuilt on it.
 """
 
+from typing import NamedTuple
+
 import gpflow
 import numpy as np
 import pytest
@@ -92,6 +94,13 @@ def test_scipy_training_as_gpflow_compiles_it():
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-8)
 
 
+class Trained(NamedTuple):
+    elbo: float
+    nit: int
+    x: np.ndarray          # the optimum's packed parameters
+    program: object        # the loss-and-gradient function minimize compiled
+
+
 def test_scipy_training_to_convergence_reaches_the_same_elbo():
     """L-BFGS run until scipy's own tests stop it (N = 2000, M = 50, 3 MB: the loss and gradient,
     4.3 MB as written, become a loop over slices of the data).  With the inducing points fixed, both
@@ -112,22 +121,22 @@ def test_scipy_training_to_convergence_reaches_the_same_elbo():
             result = opt.minimize(m.training_loss, m.trainable_variables, compile=True,
                                   tf_fun_args={"jit_compile": True}, options=dict(maxiter=10000))
             assert result.success, result.message
-            return -result.fun, result.nit, result.x, opt.compile_cache
+            (program,) = opt.compile_cache.values()
+            return Trained(-result.fun, result.nit, result.x, program)
 
     limit = 3 * 10**6
     expected, expected_moving = train(False), train(True)
     tf_memsafe.enable(limit, strict=True)
     got, got_moving = train(False), train(True)
     assert sum(r.pass_name == "splitter" for r in rewrites()) == 2
-    assert got[1] == expected[1] and abs(got[0] - expected[0]) <= 1e-9 * abs(expected[0])
-    assert abs(got_moving[0] - expected_moving[0]) <= 1e-6 * abs(expected_moving[0])
-    (program,) = got_moving[3].values()
-    spec = tf.TensorSpec(got_moving[2].shape, tf.float64)
-    assert tf_memsafe.memory_footprint(program, spec, rewrite=False) > limit
-    assert tf_memsafe.memory_footprint(program, spec) <= limit
+    assert got.nit == expected.nit and abs(got.elbo - expected.elbo) <= 1e-9 * abs(expected.elbo)
+    assert abs(got_moving.elbo - expected_moving.elbo) <= 1e-6 * abs(expected_moving.elbo)
+    spec = tf.TensorSpec(got_moving.x.shape, tf.float64)
+    assert tf_memsafe.memory_footprint(got_moving.program, spec, rewrite=False) > limit
+    assert tf_memsafe.memory_footprint(got_moving.program, spec) <= limit
     tf_memsafe.disable()
-    (naive,) = expected_moving[3].values()
-    np.testing.assert_allclose(-float(naive(tf.constant(got_moving[2]))[0]), got_moving[0], rtol=1e-10)
+    np.testing.assert_allclose(-float(expected_moving.program(tf.constant(got_moving.x))[0]), got_moving.elbo,
+                               rtol=1e-10)
 
 
 def compare_compiled(fn, limit, rtol):
