@@ -142,18 +142,20 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
 
     ``values`` stand for ``external`` (the originals, or identities of them under a gradient tape);
     ``sliced`` are the slices of the inputs read sliced, in ``external`` order (``None`` where an
-    input is only read whole).
+    input is only read whole), cut from ``sliced_from`` if given (default ``values``): the backward
+    cuts them from other identities, so that the gradient of an input read both ways (``x x^T``,
+    K(Z, Z) split by columns) through ``values`` is its whole reads' part only.
     """
     # The region's ops are read as they are now: a later split may rewire these (dead) ops' inputs
     # to its own outputs, and this builder runs again when the gradients are rebuilt.
     op_inputs = {op: list(op.inputs) for op in region.ops}
 
-    def build(values, offset, chunk, derived=None):
+    def build(values, offset, chunk, derived=None, sliced_from=None):
         split_env: dict = {}
         whole_env = {t.ref(): v for t, v in zip(external, values)}
         whole_env.update(derived or {})
         sliced: list = []
-        for t, v in zip(external, values):
+        for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
             piece = None if axis is None else dynamic_slice(v, axis, offset, chunk)
             sliced.append(piece)
@@ -270,7 +272,9 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
         # Symbolic gradients in the body's graph: a GradientTape would not record here, because
         # TensorFlow stops every tape while it runs a gradient function.
         inner = [tf.identity(v) for v in values]
-        partials, sliced = build(inner, offset, size)
+        # The slices from identities of their own: tf.gradients with respect to ``inner`` would
+        # otherwise add the slices' part again to an input read both ways.
+        partials, sliced = build(inner, offset, size, sliced_from=[tf.identity(v) for v in values])
         ups = combiner.slice_upstream(upstream, outputs, partials, offset, size)
         targets = [p for p, u in zip(partials, ups) if u is not None]
         ups = [u for u in ups if u is not None]
@@ -371,8 +375,9 @@ def _backward_with_prologue(region, build, external, axes, read_whole, values, o
     inner_external = list(external) + [ref.deref() for ref in keys]
     inner_values = values + [derived[ref] for ref in keys]
 
-    def inner_build(vals, offset, size):
-        return build(vals[:n], offset, size, dict(zip(keys, vals[n:])))
+    def inner_build(vals, offset, size, sliced_from=None):
+        return build(vals[:n], offset, size, dict(zip(keys, vals[n:])),
+                     sliced_from=None if sliced_from is None else sliced_from[:n])
 
     extra_floating = [ref.deref().dtype.is_floating for ref in keys]
     grads = _backward(inner_build, inner_external, list(axes) + [None] * len(keys),
