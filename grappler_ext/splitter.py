@@ -75,6 +75,15 @@ gradient records included) and the program is split again against the planning l
 limit / figure (``REPLAN_MARGIN``, ``REPLANS``), which gives smaller chunks where the loops are
 what is over; a plan no better than the best so far returns to the best, and the user is warned.
 
+Gradient loops grown into the room left (``Options.check_programs``): a gradient loop plans beside
+what the model's schedule of the program as written holds while the gradients run, and that count
+is the least sure of all (the gradient of a Matern32 kernel's [M, M] part: 800 MB by the model
+beside SGPR's loop at M = 2000, the whole program 434 MB by XLA's figure).  When a gradient loop is
+starved by it (``STARVED_STEPS``), the program as split is compiled (never run) and, if XLA's
+figure leaves room under the limit (less ``REPLAN_MARGIN``), the program is split again with that
+room given to the starved gradient loops, their forward plans unchanged, and compiled again: kept
+if within the limit, otherwise the first plan is built again.
+
 Chunk sizes from XLA's figure (``Options.calibrate_chunks``): the memory model plans first, with
 margins; then the loop is compiled alone (never run) at two chunk sizes, and the difference of the
 two "Total bytes used" is what a row really costs.  Where the loop is all the program holds (no
@@ -111,7 +120,7 @@ from grappler_ext.split_loop import Region, build_split, external_inputs, forwar
 from grappler_ext.verifier import live_ops, topological_order
 
 __all__ = ["Splitter", "SAFETY_MARGIN", "BACKWARD_COST_FACTOR", "WHOLE_PROGRAM_MARGIN", "REPLAN_MARGIN", "REPLANS",
-           "SLICE_SHARE"]
+           "SLICE_SHARE", "STARVED_STEPS"]
 
 # The memory model is an estimate (its ratio to XLA's figure stays in [0.7, 1.1] over the test
 # workloads): a slice's modelled bytes are divided by this before planning.  The fixed part
@@ -163,6 +172,13 @@ _MATMULS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # upstream gradient of each op, the gradients of its operands): measured 4.7x the forward slice's
 # bytes for a kernel matrix-vector product.  The backward loop plans with this factor.
 BACKWARD_COST_FACTOR = 5.0
+# A gradient loop of at least this many steps, its chunk under 1 / BACKWARD_COST_FACTOR of its
+# forward's, is starved: the model's count of what the rest of the program holds while the
+# gradients run left it little room, and each step rewrites the gradients of the inputs the loop
+# reads whole (SGPR at M = 2000, N = 1e6: a [2000, 2000] gradient of the Cholesky factor, 32 MB, for
+# every 8 rows of data; 125,000 steps took 1400 s where the forward's 554 took a third of that).
+# XLA's figure for the program as split says how much room there really is (see _grown_backward).
+STARVED_STEPS = 256
 # When even the bytes that must stay exceed the limit, a region is still cut until its slice is
 # this fraction of them (beyond that, smaller slices only cost steps), and a warning says so.
 BEST_EFFORT_FRACTION = 0.1
@@ -404,6 +420,8 @@ class Splitter(GraphPass):
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)
         self._loop_bytes: dict[str, int] = {}
+        self._grow_room: dict[str, tuple[int, int]] = {}    # see _grown_backward
+        self._room = (0, 0)
         self._calibrate = getattr(options, "calibrate_chunks", False)
         self._redraw = getattr(options, "redraw_random", False)
         limit = options.memory_limit_bytes
@@ -489,6 +507,9 @@ class Splitter(GraphPass):
             result.skip([], f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is {measured:,} B, "
                             f"over the limit of {wanted:,} B: planned again against {lower:,} B")
             limit = lower
+        if measured is None or measured <= wanted:
+            tried, after, measured = self._grown_backward(graph, options, est, info, limit, mark, tried,
+                                                          after, measured)
         result.records += tried.records
         if measured is not None and measured > wanted:
             result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
@@ -499,6 +520,52 @@ class Splitter(GraphPass):
                 "usefully. It will run as well as it can; raise memory_limit.", RuntimeWarning, stacklevel=3)
         return result
 
+    def _grown_backward(self, graph, options, est, info, limit, mark, tried, after, measured):
+        """The plan ``tried`` (built since the journal's ``mark``) again with its starved gradient loops
+        grown into the room XLA's figure for it leaves under the limit, if that is within the limit;
+        else ``tried`` as it was.  Returns the plan's records, the model's bytes and XLA's figure."""
+        starved, wanted = self._starved, options.memory_limit_bytes
+        if not starved or _best_effort(tried):
+            return tried, after, measured
+        figure = measured if measured is not None else self._program_figure(graph, options)
+        if not isinstance(figure, int):
+            return tried, after, measured
+        room = int(wanted * REPLAN_MARGIN) - figure
+        loops = ", ".join(f"{chunk}" for chunk in starved.values())
+        if room <= 0:
+            # Over the limit by XLA's figure where the model put it within: the model's plan stands
+            # (what the splitter could not split has been reported with the model's count).
+            tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
+                           f"figure for the program as split, {figure:,} B, leaves no room under the limit less its "
+                           "margin")
+            return tried, after, measured
+        journal = graph_edit.active_journal()
+        journal.undo(to=mark)
+        self._grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
+        grown = PassResult(self.name)
+        # The first plan's warnings were given; a grown plan is kept only within the limit by XLA.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                grown_after, grown_measured = self._split_large(graph, options, est, info, limit, grown)
+            finally:
+                self._grow_room = {}
+        grown_figure = grown_measured if grown_measured is not None else self._program_figure(graph, options)
+        if isinstance(grown_figure, int) and grown_figure <= wanted:
+            grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
+                           f"for the program as split was {figure:,} B, {room:,} B under the limit less its "
+                           f"margin; with that room, {grown_figure:,} B")
+            return grown, grown_after, grown_figure
+        journal.undo(to=mark)
+        again = PassResult(self.name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            after, _ = self._split_large(graph, options, est, info, limit, again)
+        shown = f"{grown_figure:,} B, over the limit" if isinstance(grown_figure, int) else grown_figure.lstrip("; ")
+        again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure:,} B) left under the "
+                       f"limit, the program as split was {shown}; planned as the model had it")
+        return again, after, figure
+
     def _split_large(self, graph, options, est, info, limit, result) -> tuple[int | None, int | None]:
         """One plan: split the program's large tensors, largest first, planning against ``limit``;
         warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
@@ -506,6 +573,7 @@ class Splitter(GraphPass):
         not measured within the limit already (``None`` otherwise)."""
         self._loop_bytes: dict[str, int] = {}
         self._program_sized = 0      # loops sized by compiling them as the whole program (_fitted)
+        self._starved: dict[str, int] = {}   # large tensor -> its starved gradient loop's chunk
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
@@ -615,6 +683,8 @@ class Splitter(GraphPass):
     def _split_around(self, graph, tensor, info, est, order_index, graph_outputs, budget, result, backward):
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
         reasons: list[str] = []
+        # (bytes, chunk): the room its starved gradient loop was given, and its chunk before.
+        self._room = self._grow_room.get(tensor.name, (0, 0))
         near = _downstream(tensor.op, order_index, _MAX_ROOT_DEPTH)
         candidates = [[option] for root in near for option in _root_options(root)]
         # Several readers reducing the same axis of the tensor (SGPR's A A^T and A err): one loop.
@@ -693,8 +763,21 @@ class Splitter(GraphPass):
         joined = sum(_nbytes(t) for r in roots for t in r.outputs)      # the result, written as it goes
         for op in forward_loops:
             self._loop_bytes[op.name] = int(plan.chunk * per_unit) + joined
-        for op in _new_loops(graph, existing | set(forward_loops)):
-            self._loop_bytes[op.name] = int(backward_chunk * backward_unit)
+        backward_loops = _new_loops(graph, existing | set(forward_loops))
+        for op in backward_loops:
+            # Grown into room the model did not see: counted as the rest less that room.
+            self._loop_bytes[op.name] = int(max(self._room[1] * backward_unit,
+                                                backward_chunk * backward_unit - self._room[0]))
+        backward_steps = -(-plan.length // backward_chunk)
+        if backward_loops and backward_chunk < plan.chunk:
+            if (backward_steps >= STARVED_STEPS and backward_chunk * BACKWARD_COST_FACTOR < plan.chunk
+                    and not self._room[0]):
+                self._starved[tensor.name] = backward_chunk
+            tail = plan.length % backward_chunk
+            gradient_loop = (f"; its gradient {plan.length // backward_chunk} x {backward_chunk}"
+                             + (f" + {tail}" if tail else ""))
+        else:
+            gradient_loop = ""
         region_bytes = _materialised_bytes(grown.included, info)
         prologue = grown.region.prologue
         described = options[0].describe() + "".join(
@@ -702,7 +785,7 @@ class Splitter(GraphPass):
         result.rewrote(roots + grown.region.ops,
                        f"{described}: {plan.steps} x {plan.chunk}"
                        + (f" + {plan.tail}" if plan.tail else "") + f" of {plan.length}"
-                       + measured
+                       + measured + gradient_loop
                        + (f"; {rebuilt} gradient{'s' if rebuilt > 1 else ''} inside the function rebuilt"
                           if rebuilt else "")
                        + (f"; {len(prologue)} op{'s' if len(prologue) > 1 else ''} before it recomputed in the "
@@ -843,7 +926,8 @@ class Splitter(GraphPass):
         # The backward also holds the gradients of the region's inputs.
         fixed_backward = (max(fixed, constant + self._background(est, backward_steps, grown) + root_out)
                           + sum(_nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs))
-        reverse = plan_chunks(length, backward_unit, fixed_backward, budget)
+        # The room XLA's figure showed the rest leaves (see _grown_backward) taken off what stays.
+        reverse = plan_chunks(length, backward_unit, max(0, fixed_backward - self._room[0]), budget)
         backward_chunk = _at_least(reverse.chunk if reverse else max(1, chunk // int(BACKWARD_COST_FACTOR)),
                                    length, k) or chunk
         if backward and fixed_backward > limit and not best_effort:
@@ -1077,6 +1161,11 @@ def _needed_now(graph, result: PassResult, loop_bytes: dict) -> int:
         return after.peak_bytes
     known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
     return max(planned, known, _floor(after, info))
+
+
+def _best_effort(result: PassResult) -> bool:
+    """Whether a plan says the limit cannot be met (its warning is given then)."""
+    return any("best effort" in r.reason for r in result.records)
 
 
 def _floor(est, info) -> int:
