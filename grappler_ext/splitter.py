@@ -531,7 +531,7 @@ class Splitter(GraphPass):
         if not isinstance(figure, int):
             return tried, after, measured
         room = int(wanted * REPLAN_MARGIN) - figure
-        loops = ", ".join(f"{chunk}" for chunk in starved.values())
+        loops = ", ".join(map(str, starved.values()))
         if room <= 0:
             # Over the limit by XLA's figure where the model put it within: the model's plan stands
             # (what the splitter could not split has been reported with the model's count).
@@ -540,27 +540,26 @@ class Splitter(GraphPass):
                            "margin")
             return tried, after, measured
         journal = graph_edit.active_journal()
-        journal.undo(to=mark)
+
+        def replan():
+            journal.undo(to=mark)
+            again = PassResult(self.name)
+            with warnings.catch_warnings():        # the first plan's warnings were given
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return (again, *self._split_large(graph, options, est, info, limit, again))
+
         self._grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
-        grown = PassResult(self.name)
-        # The first plan's warnings were given; a grown plan is kept only within the limit by XLA.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            try:
-                grown_after, grown_measured = self._split_large(graph, options, est, info, limit, grown)
-            finally:
-                self._grow_room = {}
+        try:
+            grown, grown_after, grown_measured = replan()
+        finally:
+            self._grow_room = {}
         grown_figure = grown_measured if grown_measured is not None else self._program_figure(graph, options)
         if isinstance(grown_figure, int) and grown_figure <= wanted:
             grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
                            f"for the program as split was {figure:,} B, {room:,} B under the limit less its "
                            f"margin; with that room, {grown_figure:,} B")
             return grown, grown_after, grown_figure
-        journal.undo(to=mark)
-        again = PassResult(self.name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            after, _ = self._split_large(graph, options, est, info, limit, again)
+        again, after, _ = replan()
         shown = f"{grown_figure:,} B, over the limit" if isinstance(grown_figure, int) else grown_figure.lstrip("; ")
         again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure:,} B) left under the "
                        f"limit, the program as split was {shown}; planned as the model had it")
