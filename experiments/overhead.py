@@ -70,7 +70,6 @@ import dataclasses
 import itertools
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -84,6 +83,7 @@ import tf_keras as keras
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments._results import write_outputs
 from grappler_ext.pipeline import DEFAULT_ORDER
+from grappler_ext.splitter import LoopPlan
 from tf_memsafe import hook
 
 TARGET_OVERHEAD = 1.05      # enabled / naive where the program fits
@@ -92,9 +92,6 @@ TARGET_SPEED = 0.95         # hand-written / rewritten beyond the limit
 FRACTIONS = (10, 100)       # limits of 1/10 and 1/100 of the naive footprint
 MODES = ("forward", "training")
 LEARNING_RATE = 1e-2
-# The splitter's record: "`TopKV2` concat over input 0 axis 0: 38 x 520 + 240 of 20000", perhaps
-# followed by "; 1 gradient inside the function rebuilt" (a training step).
-_PLAN_RE = re.compile(r"over input (\d+) axis (\d+)[^:]*: (\d+) x (\d+)(?: \+ (\d+))? of (\d+)\s*(?:;|$)")
 
 
 @dataclasses.dataclass
@@ -435,20 +432,15 @@ def hand_training_step(w: TrainingWorkload, chunk: int, steps: int, tail: int) -
     return step
 
 
-def parse_plan(reason: str, n_rows: int) -> tuple[int, int, int] | None:
-    """(chunk, steps, tail) of a loop over the ``n_rows`` rows of argument 0 from a splitter record.
+def plan_rows(plan: LoopPlan, n_rows: int) -> tuple[int, int, int]:
+    """(chunk, steps, tail) of a loop over the ``n_rows`` rows of argument 0 like the splitter's ``plan``.
 
     A split of that very axis gives the splitter's chunk exactly; a split of another axis of some
     other length gives as many chunks over the rows (the same number of loop steps).
     """
-    found = _PLAN_RE.search(reason)
-    if found is None:
-        return None
-    axis_input, axis, steps, chunk, tail, length = found.groups()
-    steps, chunk, tail, length = int(steps), int(chunk), int(tail or 0), int(length)
-    if (axis_input, axis, length) == ("0", "0", n_rows):
-        return chunk, steps, tail
-    count = steps + (tail > 0)
+    if plan.split_input == (0, 0) and plan.length == n_rows:
+        return plan.chunk, plan.steps, plan.tail
+    count = plan.steps + (plan.tail > 0)
     chunk = math.ceil(n_rows / count)
     return chunk, n_rows // chunk, n_rows % chunk
 
@@ -539,7 +531,7 @@ def error(result, reference) -> float | None:
 
 
 def hand_plan(w: Workload | TrainingWorkload, args, limit: int,
-              split: str) -> tuple[tuple[int, int, int] | None, str, int | None, str]:
+              split: LoopPlan | None) -> tuple[tuple[int, int, int] | None, str, int | None, str]:
     """The hand-written loop's (chunk, steps, tail), where it comes from, its bytes, and a note.
 
     The splitter's chunks where the hand-written loop fits the limit with them; else the largest
@@ -547,7 +539,7 @@ def hand_plan(w: Workload | TrainingWorkload, args, limit: int,
     chunks); else the splitter's, over the limit, or none.
     """
     fmt = tf_memsafe.format_bytes
-    plan = parse_plan(split, args[0].shape[0]) if split else None
+    plan = plan_rows(split, args[0].shape[0]) if split is not None else None
     if plan is not None:
         footprint = naive_footprint(w.hand(*plan), args)
         if footprint <= limit:
@@ -577,8 +569,8 @@ def measure(w: Workload | TrainingWorkload, case: str, limit: int, run_limit: in
         with tf_memsafe.options(memory_limit=limit):
             rewritten_bytes = tf_memsafe.memory_footprint(w.fn, *args)
     rewrites = [r for r in records if r.action == "rewritten"]
-    splits = [r.reason for r in rewrites if r.pass_name == "splitter"]
-    split = next((s for s in splits if _PLAN_RE.search(s)), splits[0] if splits else "")   # one with a plan
+    splits = [r for r in rewrites if r.pass_name == "splitter"]
+    split = next((r for r in splits if isinstance(r.plan, LoopPlan)), splits[0] if splits else None)  # with a plan
     floor = (sum(a.nbytes for a in w.args) + w.state_bytes()
              + sum(t.shape.num_elements() * t.dtype.size for t in rewritten.outputs))
     plan, source, hand, hand_bytes, notes = None, "", None, None, []
@@ -586,7 +578,7 @@ def measure(w: Workload | TrainingWorkload, case: str, limit: int, run_limit: in
         held = "arguments, variables, Adam's moments and result" if w.state_bytes() else "arguments + result"
         notes.append(f"infeasible: {held} ({tf_memsafe.format_bytes(floor)}) exceed the limit")
     elif case != "fits":
-        plan, source, hand_bytes, said = hand_plan(w, args, limit, split)
+        plan, source, hand_bytes, said = hand_plan(w, args, limit, split.plan if split is not None else None)
         notes += [said] if said else []
         if plan is not None:
             hand = naive_function(w.hand(*plan), args)[0]
@@ -606,7 +598,7 @@ def measure(w: Workload | TrainingWorkload, case: str, limit: int, run_limit: in
         workload=w.name, case=case, size=w.note, limit_bytes=limit, naive_bytes=naive_bytes,
         rewritten_bytes=rewritten_bytes, within_limit=rewritten_bytes <= limit, status=status,
         rewrites=len(rewrites),
-        floor_bytes=floor, split=split,
+        floor_bytes=floor, split=split.reason if split is not None else "",
         hand_chunk=plan[0] if plan else None, hand_steps=plan[1] if plan else None,
         hand_tail=plan[2] if plan else None, hand_chunk_source=source, hand_bytes=hand_bytes,
         naive_trace_s=naive_trace_s, rewritten_trace_s=trace_s, naive_s=naive_s, rewritten_s=rewritten_s, hand_s=hand_s,

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-from grappler_ext import graph_edit
+from grappler_ext import graph_edit, graph_query
 
 __all__ = ["GRADIENTS_ATTR", "GradientRecord", "records", "backward_ops", "rebuildable", "retarget", "rebuild"]
 
@@ -92,7 +92,7 @@ def backward_ops(graph) -> set[tf.Operation]:
             continue
         upstream = [g for g in record.output_gradients or [] if _in_graph(g)]
         forward = record.targets + _source_tensors(record) + upstream
-        out |= graph_edit.ancestors(results) - graph_edit.ancestors(forward)
+        out |= graph_query.ancestors(results) - graph_query.ancestors(forward)
     return out
 
 
@@ -128,7 +128,7 @@ def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
         results = [t for r in record.results for t in _components(r)]
         if not results:
             continue
-        backward = graph_edit.ancestors(results)
+        backward = graph_query.ancestors(results)
         if not backward & touched:
             continue
         with graph_edit.building(graph, scope):

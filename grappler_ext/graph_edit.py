@@ -23,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
+from grappler_ext import graph_query
+
 __all__ = [
     "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "on_undo", "building", "replace_uses",
-    "rewire_input", "set_output", "ancestors", "consumers", "EditError", "is_generated",
+    "rewire_input", "set_output", "consumers", "EditError", "is_generated",
 ]
 
 GENERATED_SCOPE = "tf_memsafe"  # Name scope of every op tf_memsafe builds: marks what we generated.
@@ -136,20 +138,6 @@ def consumers(tensor: tf.Tensor) -> list[tuple[tf.Operation, int]]:
     return out
 
 
-def ancestors(tensors: Iterable[tf.Tensor], stop: set | None = None) -> set[tf.Operation]:
-    """The ops that ``tensors`` depend on (data and control edges), themselves included."""
-    seen: set[tf.Operation] = set()
-    stack = [t.op for t in tensors]
-    while stack:
-        op = stack.pop()
-        if op in seen or (stop and op in stop):
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
-
-
 def _check_compatible(old: tf.Tensor, new: tf.Tensor) -> None:
     if old.dtype != new.dtype:
         raise EditError(f"cannot replace `{old.name}` ({old.dtype.name}) by `{new.name}` ({new.dtype.name})")
@@ -193,7 +181,7 @@ def replace_uses(old: tf.Tensor, new: tf.Tensor, *, graph=None, include_outputs:
     if new is old:
         return 0
     _check_compatible(old, new)
-    upstream = ancestors([new])
+    upstream = graph_query.ancestors([new])
     edges = [(op, i) for op, i in consumers(old) if op not in upstream]
     graph = graph if graph is not None else old.graph
     output_slots = []

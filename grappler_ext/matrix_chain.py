@@ -67,10 +67,10 @@ import tensorflow as tf
 
 from grappler_ext import graph_edit
 from grappler_ext.chain_order import Tree, choose_order
+from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.pass_base import GraphPass, PassResult
 from grappler_ext.pattern import Any, Op, match
 from grappler_ext.pipeline import register_pass
-from grappler_ext.verifier import live_ops, topological_order
 
 __all__ = ["MatrixChain", "PRODUCT_TYPES", "einsum_transposes"]
 

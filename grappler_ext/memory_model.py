@@ -20,12 +20,10 @@ How XLA:CPU (TensorFlow 2.21) counts, measured from its buffer-assignment report
 
 The model, in three steps:
 
-1. **Rules** (:data:`RULES`, one :class:`Rule` per TF op type, registered together below): each
-   op is a parameter, a constant, a bitcast (no bytes: its output shares its input's buffer), a
-   loop op (elementwise or layout: fusible), a reduction, or a library call (matmul, Cholesky,
-   top-k: its operands must be in memory).  An op type without a rule is *unknown*: it is listed
-   in :attr:`Estimate.unknown_ops` and the estimate has no ``peak_bytes``; nothing is guessed
-   silently.  Each rule cites the measurement it rests on.
+1. **Rules** (:data:`RULES`, one :class:`Rule` per TF op type, in :mod:`grappler_ext.memory_rules`,
+   which describes them): what kind of kernel each op is.  An op type without a rule is
+   *unknown*: it is listed in :attr:`Estimate.unknown_ops` and the estimate has no
+   ``peak_bytes``; nothing is guessed silently.
 2. **Fusion**, the "fused into consumer" decision, made consumers first: a loop op's output gets
    no buffer when every op reading it will compute it inside its own fusion -- another loop op,
    a reduction that keeps its producers (:func:`reduction_plan`), a small matrix-vector product
@@ -33,7 +31,7 @@ The model, in three steps:
    by a tensor, a loop-emitted reduction) read by two fusions, or read repeatedly by a
    broadcasting one, is computed once into memory.  A cheap op materialised for one reader is
    recomputed by the fusions of its other readers.  Everything else that makes data has a buffer.
-3. **Liveness** over :func:`~grappler_ext.verifier.topological_order`: a buffer is allocated when
+3. **Liveness** over :func:`~grappler_ext.graph_query.topological_order`: a buffer is allocated when
    its kernel runs and freed after the last kernel whose fusion reads it (outputs stay to the
    end); an elementwise kernel takes over a dying operand of its shape; library kernels add
    scratch for the duration of the call.
@@ -57,16 +55,24 @@ the table there).  It is an estimate because the model does not know:
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
-import numpy as np
 import tensorflow as tf
 
-from grappler_ext import folding
-from grappler_ext.pairwise_distance import FUSED_REDUCTION_MAX
-from grappler_ext.verifier import live_ops, topological_order
+from grappler_ext.graph_query import live_ops, topological_order
+from grappler_ext.memory_rules import (  # the public names are re-exported: callers read memory_model.Rule etc.
+    NO_RULE_REASONS,
+    RULES,
+    Kind,
+    ReductionPlan,
+    Rule,
+    _elements,
+    _static_nbytes,
+    merged_into,
+    reduction_plan,
+)
+from grappler_ext.op_types import ARG_REDUCTIONS
+from grappler_ext.xla_facts import MATVEC_FUSION_MAX_BYTES  # re-exported
 
 __all__ = [
     "Kind",
@@ -87,469 +93,6 @@ __all__ = [
     "MATVEC_FUSION_MAX_BYTES",
     "peak_of",
 ]
-
-
-class Kind(enum.Enum):
-    """How XLA:CPU treats an op's outputs."""
-
-    PARAMETER = "parameter"  # an entry parameter: own allocation, live throughout
-    CONSTANT = "constant"    # a literal: own allocation if larger than a scalar and read as data
-    STATIC = "static"        # no runtime data (NoOp, Shape of a static shape)
-    BITCAST = "bitcast"      # output i shares data input i's buffer (reshape, identity)
-    LOOP = "loop"            # elementwise or layout: fused into its consumers when possible
-    REDUCE = "reduce"        # output materialised; may keep its producers fused
-    LIBRARY = "library"      # a kernel call: operands and outputs materialised, maybe scratch
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """The byte rule of one op type.
-
-    Attributes:
-      kind: see :class:`Kind`.
-      static_inputs: operand positions read at compile time (axes, shapes, permutations, ``k``);
-        they are never buffers.  ``-1`` is the last operand (``ConcatV2``'s axis).
-      expensive: LOOP only: XLA will not duplicate this op into several fusions, nor fuse it into
-        a consumer that reads each element many times; a bool or a predicate on the op.
-      in_place: the output may take over an operand buffer of the same shape that dies here.
-      fuses_operand: REDUCE and LIBRARY: ``(op, input_index, ctx) -> (bool, reason)``, whether
-        this op's fusion computes that operand's producers itself (so the operand needs no
-        buffer).  Without it, operands are read from memory.
-      scratch: REDUCE and LIBRARY: ``(op, ctx) -> bytes`` of temporaries while the kernel runs.
-      bitcast_when: LOOP only: ``(op, ctx) -> reason or None``; with a reason the op costs
-        nothing and its output shares its input's buffer (a full-range slice; a transpose XLA
-        folds into a dot).
-      recomputes_operand: LIBRARY only: besides reading its operand from memory, the kernel's
-        own loop fusion recomputes a cheap operand from that operand's inputs, which so stay
-        live until it runs (Softmax: the max reads ``x``, ``exp(x - max)`` recomputes ``x``).
-    """
-
-    kind: Kind
-    static_inputs: tuple[int, ...] = ()
-    expensive: bool | Callable[[tf.Operation], bool] = False
-    in_place: bool = False
-    fuses_operand: Callable[[tf.Operation, int, object], tuple[bool, str]] | None = None
-    scratch: Callable[[tf.Operation, object], int] | None = None
-    bitcast_when: Callable[[tf.Operation, object], str | None] | None = None
-    recomputes_operand: bool = False
-
-    def is_static_input(self, op: tf.Operation, index: int) -> bool:
-        n = len(op.inputs)
-        return any(index == (i % n if n else i) for i in self.static_inputs)
-
-    def is_expensive(self, op: tf.Operation) -> bool:
-        return self.expensive(op) if callable(self.expensive) else bool(self.expensive)
-
-
-# --- helpers the rules read -------------------------------------------------------------------
-#
-# Rule functions receive the op and ``ctx``, the analysis in progress, which offers
-# ``ctx.readers(t)`` (the live ``(op, input_index)`` reading tensor ``t`` as data, looking through
-# bitcasts), ``ctx.producer(t)`` (the op computing ``t``, looking through bitcasts) and
-# ``ctx.is_output(t)``.
-
-
-def _const(t: tf.Tensor) -> np.ndarray | None:
-    """The value of ``t`` when the graph computes it from constants only (:func:`folding.static_value`)."""
-    return folding.static_value(t)
-
-
-def _dims(t: tf.Tensor) -> list[int] | None:
-    return t.shape.as_list() if t.shape.is_fully_defined() else None
-
-
-def _elements(t: tf.Tensor) -> int | None:
-    dims = _dims(t)
-    return None if dims is None else math.prod(dims)
-
-
-def _nbytes(t: tf.Tensor) -> int | None:
-    """Bytes of ``t`` in memory; None for a dynamic shape or a dtype without a fixed size."""
-    n = _elements(t)
-    if n is None or t.dtype in (tf.string, tf.variant):
-        return None
-    return 0 if t.dtype == tf.resource else n * t.dtype.size
-
-
-def _is_integer_power(op: tf.Operation) -> bool:
-    """``x ** n`` for a constant ``n`` of 1, 2 or 3: XLA's simplifier turns it into multiplies
-    (measured: ``x**2``, ``x**3`` fuse like multiplies; ``x**4``, ``x**-1`` stay powers)."""
-    value = _const(op.inputs[1])
-    if value is None or value.size == 0:
-        return False
-    first = value.reshape(-1)[0]
-    return bool(np.all(value == first)) and float(first) in (1.0, 2.0, 3.0)
-
-
-def _is_constant_divisor(op: tf.Operation) -> bool:
-    """``x / c`` for a constant ``c``: XLA multiplies by ``1 / c`` instead (measured: fused)."""
-    return _const(op.inputs[1]) is not None
-
-
-def _is_multiply(op: tf.Operation) -> bool:
-    """Whether ``op`` is a multiply once XLA has simplified it (``x * y``, ``x**2``, ``x / 3``)."""
-    if op.type in ("Mul", "Square", "SquaredDifference"):
-        return True
-    if op.type == "Pow":
-        return _is_integer_power(op)
-    if op.type in ("RealDiv", "Div"):
-        return _is_constant_divisor(op)
-    return False
-
-
-# --- reductions -------------------------------------------------------------------------------
-
-# Reductions XLA:CPU (TF 2.21) hands to YNNPACK, as a custom fusion that reads its operand from
-# memory.  Measured: float32 (and bfloat16) Sum, Mean, Max and Min, over any axes, unless the
-# operand is a multiply (then XLA keeps the reduction itself).  Prod, All, Any and float64,
-# float16 or integer reductions stay in XLA's own loop emitter.
-_YNN_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min"})
-_YNN_DTYPES = frozenset({tf.float32, tf.bfloat16})
-_ARG_REDUCTIONS = frozenset({"ArgMax", "ArgMin"})
-# XLA's simplifier folds reduce(reduce(x)) with the same reducer into one reduce over both sets of
-# axes (measured: ``sum(sum((x[:,None] - y[None])**2, -1), 1)`` with D = 3 materialises the
-# [N, M, 3] difference, not the [N, M] distances: one reduction over an axis of M > 32).
-_MERGEABLE = frozenset({"Sum", "Max", "Min", "Prod", "All", "Any"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ReductionPlan:
-    """How XLA:CPU emits one reduction (see :func:`reduction_plan`)."""
-
-    keeps_producers: bool
-    reason: str
-    partial_elements: int = 0
-
-
-def merged_into(op: tf.Operation, ctx) -> tf.Operation | None:
-    """The reduction ``op`` is folded into: its only reader, a reduction of the same type."""
-    if op.type not in _MERGEABLE or ctx.is_output(op.outputs[0]):
-        return None
-    readers = ctx.readers(op.outputs[0])
-    if len(readers) != 1:
-        return None
-    reader, index = readers[0]
-    if reader.type != op.type or index != 0 or reader.inputs[0].shape != op.outputs[0].shape:
-        return None
-    return reader
-
-
-def _reduced_operand(op: tf.Operation, ctx) -> tuple[tf.Tensor, set[int]] | None:
-    """The tensor a (possibly merged) reduction reads and the axes of it that it reduces."""
-    x = op.inputs[0]
-    dims, axes = _dims(x), _const(op.inputs[1])
-    if dims is None or axes is None:
-        return None
-    reduced = {int(a) % len(dims) for a in np.reshape(axes, -1)} if dims else set()
-    inner = ctx.producer(x)
-    if inner.type == op.type and merged_into(inner, ctx) is op:
-        found = _reduced_operand(inner, ctx)
-        if found is None:
-            return None
-        ix, inner_axes = found
-        if inner.get_attr("keep_dims"):
-            return ix, inner_axes | reduced
-        kept = [d for d in range(ix.shape.rank) if d not in inner_axes]
-        return ix, inner_axes | {kept[a] for a in reduced}
-    return x, reduced
-
-
-def reduction_plan(op: tf.Operation, ctx) -> ReductionPlan:
-    """Whether XLA:CPU fuses the elementwise ops feeding reduction ``op`` into it, and why.
-
-    Measured on TF 2.21 XLA:CPU (bytes from the buffer assignment):
-
-    ===================================================  =====  =================================
-    program                                              fused  why
-    ===================================================  =====  =================================
-    ``sum((x[:,None] - y[None])**2, -1)``, D = 8, 32     yes    multiply root, axis <= 32
-    same, D = 33, 64                                     no     split: [N, M, D] in memory
-    ``sum(exp(x), -1)`` f32 [120000, 8]                  no     YNNPACK reads memory
-    ``sum(x * x + 1, -1)`` f32 [120000, 8]               no     root is an add: YNNPACK
-    ``sum(exp(x), -1)`` f64 [120000, 8]                  yes    loop reduce, axis <= 32
-    ``sum(exp(x), [1, 2])`` f64 [20000, 16, 16]          yes    every reduced axis <= 32
-    ``sum(exp(x), [1, 2])`` f64 [20000, 4, 40]           no     split: an axis of 40
-    ``prod(exp(x), -1)`` f32 [120000, 8]                 yes    Prod is not a YNNPACK reduction
-    ``argmin(exp(x), 1)`` f32 [1000, 1000]               yes    variadic reduce: one loop fusion
-    ===================================================  =====  =================================
-
-    A split reduction also writes partial results, ``ceil(d / 32)`` per reduced axis of size
-    ``d`` and output element (measured: [1000, 1000] summed over both axes leaves [32, 32]):
-    ``partial_elements``, counted as the reduction's scratch.  A reduction merged into its reader
-    (:func:`merged_into`) follows its reader's plan.
-    """
-    while (outer := merged_into(op, ctx)) is not None:
-        op = outer
-    if op.type in _ARG_REDUCTIONS:
-        return ReductionPlan(True, f"`{op.type}` is a variadic (value, index) reduce: one loop fusion")
-    found = _reduced_operand(op, ctx)
-    if found is None:
-        return ReductionPlan(False, "reduced axes or shape unknown")
-    x, reduced = found
-    dims = _dims(x)
-    widest = max((dims[a] for a in reduced), default=1)
-    if op.type in _YNN_REDUCTIONS and x.dtype in _YNN_DTYPES and not _is_multiply(ctx.producer(x)):
-        return ReductionPlan(False, f"{x.dtype.name} `{op.type}` runs in YNNPACK, which reads its operand from memory")
-    if widest <= FUSED_REDUCTION_MAX:
-        return ReductionPlan(True, f"each reduced axis has <= {FUSED_REDUCTION_MAX} elements: one loop fusion")
-    partial = (_elements(op.outputs[0]) or 0) * math.prod(-(-dims[a] // FUSED_REDUCTION_MAX) for a in reduced)
-    return ReductionPlan(False, f"a reduced axis has {widest} > {FUSED_REDUCTION_MAX} elements: XLA splits it "
-                                "into reduce-windows of 32 over an operand in memory", partial)
-
-
-def _reduction_fuses_operand(op: tf.Operation, index: int, ctx) -> tuple[bool, str]:
-    plan = reduction_plan(op, ctx)
-    return plan.keeps_producers, plan.reason
-
-
-def _reduction_scratch(op: tf.Operation, ctx) -> int:
-    if merged_into(op, ctx) is not None:
-        return 0
-    if op.type in _ARG_REDUCTIONS:
-        # XLA computes int32 indices and converts them (measured: 4 bytes an output element).
-        return (_elements(op.outputs[0]) or 0) * 4 if op.outputs[0].dtype == tf.int64 else 0
-    return reduction_plan(op, ctx).partial_elements * op.outputs[0].dtype.size
-
-
-# --- matmuls ----------------------------------------------------------------------------------
-
-# XLA:CPU emits a matrix-vector product itself, with the matrix's producers fused in, when the
-# vector is smaller than 16 KiB (measured: ``exp(a) @ v`` with v [3000, 1] (12 kB) is one fusion;
-# with v [5000, 1] (20 kB), or v [3000, 2], or a batched product, ``exp(a)`` is materialised).
-MATVEC_FUSION_MAX_BYTES = 16 * 1024
-
-
-def _matvec_fuses_operand(op: tf.Operation, index: int, ctx) -> tuple[bool, str]:
-    if op.type != "MatMul" or _dims(op.outputs[0]) is None:
-        return False, "`MatMul` calls a GEMM kernel, which reads its operands from memory"
-    n, m = _dims(op.outputs[0])
-    vector = 1 if m == 1 else 0 if n == 1 else None
-    if vector is None or index == vector:
-        return False, "`MatMul` calls a GEMM kernel, which reads its operands from memory"
-    size = _nbytes(op.inputs[vector]) or 0
-    if size >= MATVEC_FUSION_MAX_BYTES:
-        return False, f"matrix-vector product with a vector of {size} >= {MATVEC_FUSION_MAX_BYTES} bytes: a kernel call"
-    return True, f"matrix-vector product with a vector of {size} < {MATVEC_FUSION_MAX_BYTES} bytes: one loop fusion"
-
-
-# --- library kernels: scratch fitted to measurements ------------------------------------------
-
-
-def _batch_and_matrix(t: tf.Tensor) -> tuple[int, int, int]:
-    dims = _dims(t) or [0, 0]
-    return math.prod(dims[:-2]), dims[-2], dims[-1]
-
-
-def _cholesky_scratch(op: tf.Operation, ctx) -> int:
-    """XLA's blocked Cholesky (block 128).  Fit: ``n^2/4 + 256 n`` elements per matrix for
-    n > 128, ``5/4 n^2`` below.  Measured extra bytes / fit, float32 (float64 identical per
-    element): n = 256: 347 kB / 328 kB; 500: 853 kB / 762 kB; 1000: 2.11 MB / 2.02 MB;
-    2000: 6.12 MB / 6.05 MB.
-    """
-    batch, n, _ = _batch_and_matrix(op.inputs[0])
-    per = n * n // 4 + 256 * n if n > 128 else 5 * n * n // 4
-    return batch * per * op.inputs[0].dtype.size
-
-
-def _triangular_solve_scratch(op: tf.Operation, ctx) -> int:
-    """XLA's blocked triangular solve (block 128) of A [.., n, n] against B [.., n, m].  Fit in
-    elements: ``max(n m + 128 n, n^2/2 + 256 n)`` for n > 128 (the solution assembled block by
-    block, or the masked and inverted diagonal blocks of A), ``n^2`` for one block.  Measured
-    (float32 and float64 identical per element), extra elements measured / fit:
-    (n, m) = (128, 8000): 16.9 k / 16.4 k; (500, 100): 259 k / 253 k; (500, 2000): 1.06 M / 1.06 M;
-    (1000, 500): 774 k / 756 k; (1000, 4000): 4.10 M / 4.13 M; (2000, 200): 2.43 M / 2.51 M.
-    """
-    _, n, _ = _batch_and_matrix(op.inputs[0])
-    batch, _, m = _batch_and_matrix(op.inputs[1])
-    per = max(n * m + 128 * n, n * n // 2 + 256 * n) if n > 128 else n * n
-    return batch * per * op.inputs[1].dtype.size
-
-
-def _inverse_scratch(op: tf.Operation, ctx) -> int:
-    """LU factorisation plus two triangular solves.  Fit ``3 n^2 + 256 n`` elements; measured
-    n = 256: 4.26 n^2 (fit 4.0); n = 1000: 3.03 n^2 (fit 3.26)."""
-    batch, n, _ = _batch_and_matrix(op.inputs[0])
-    return batch * (3 * n * n + 256 * n) * op.inputs[0].dtype.size
-
-
-def _softmax_scratch(op: tf.Operation, ctx) -> int:
-    """One row vector (the row maxima, then the row sums: never live together)."""
-    dims = _dims(op.inputs[0]) or [0]
-    return math.prod(dims[:-1]) * op.inputs[0].dtype.size
-
-
-# --- bitcast-when predicates ------------------------------------------------------------------
-
-# Layout ops whose output is larger than an input without reading any element twice.
-_NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad"})
-_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
-
-
-def _transpose_into_dot(op: tf.Operation, ctx) -> str | None:
-    """A transpose of the last two axes read only by matmuls: XLA folds it into the dot's
-    dimension numbers (measured: ``x @ tf.transpose(w)`` costs ``x + w + out``).  Other
-    permutations feeding a batched dot are copied (measured: heads moved to the front)."""
-    perm = _const(op.inputs[1])
-    rank = op.inputs[0].shape.rank
-    if perm is None or rank is None or rank < 2:
-        return None
-    perm = [int(p) for p in np.reshape(perm, -1)]
-    if perm == list(range(rank)):
-        return "identity permutation"
-    if perm != list(range(rank - 2)) + [rank - 1, rank - 2]:
-        return None
-    readers = ctx.readers(op.outputs[0])
-    if readers and all(reader.type in _MATMULS for reader, _ in readers):
-        return "transpose of the last two axes, folded into the dot that reads it"
-    return None
-
-
-def _full_range(op: tf.Operation, ctx) -> str | None:
-    """A slice that keeps every element with unit strides is a reshape: a bitcast in XLA."""
-    if _elements(op.inputs[0]) is None or _elements(op.inputs[0]) != _elements(op.outputs[0]):
-        return None
-    if op.type == "StridedSlice":
-        strides = _const(op.inputs[3])
-        if strides is None or not np.all(np.reshape(strides, -1) == 1):
-            return None
-    return "keeps every element in order: a reshape"
-
-
-# --- the rule table ---------------------------------------------------------------------------
-
-RULES: dict[str, Rule] = {}
-
-
-def _register(types: str, rule: Rule) -> None:
-    for t in types.split():
-        if t in RULES:
-            raise ValueError(f"two byte rules for `{t}`")
-        RULES[t] = rule
-
-
-# Why some op types deliberately have no rule (reported with the unknown op).
-NO_RULE_REASONS: dict[str, str] = {
-    "While": "loop bodies are not modelled: estimate one iteration's graph instead",
-    "StatelessWhile": "loop bodies are not modelled: estimate one iteration's graph instead",
-    "If": "branch graphs are not modelled",
-    "StatelessIf": "branch graphs are not modelled",
-}
-
-# Entry parameters: ``tf.identity(x)`` of a [1000, 1000] f32 parameter costs 8 MB (4 MB in, 4 MB out).
-_register("Placeholder", Rule(Kind.PARAMETER))
-_register("ReadVariableOp", Rule(Kind.PARAMETER, static_inputs=(0,)))
-# A [1000, 1000] f32 constant added to a parameter costs 4 MB of its own (measured: 12 MB in all).
-_register("Const", Rule(Kind.CONSTANT))
-# No runtime data.
-_register("NoOp", Rule(Kind.STATIC))
-_register("Shape Size Rank", Rule(Kind.STATIC, static_inputs=(0,)))
-_register("BroadcastGradientArgs", Rule(Kind.STATIC, static_inputs=(0, 1)))
-
-# Shape-only ops: XLA lowers them to bitcasts (0 bytes); measured ``x[:, None]`` costs nothing.
-_register("Reshape ExpandDims", Rule(Kind.BITCAST, static_inputs=(1,)))
-_register("Squeeze Identity IdentityN StopGradient Snapshot PreventGradient EnsureShape", Rule(Kind.BITCAST))
-
-# Elementwise, cheap: XLA duplicates them into every fusion that reads them (measured: ``y = 2 x``
-# read by two outputs gives two fusions and no buffer for ``y``; likewise Sin, Cos, Abs, Neg,
-# Maximum, Select, Cast, Square, Floor).  In place over a dying operand of the same shape.
-_ELEMENTWISE = Rule(Kind.LOOP, in_place=True)
-_register("Neg Abs Sign Floor Ceil Round Rint Sin Cos Square Cast LogicalNot Relu Relu6 LeakyRelu "
-          "IsNan IsInf IsFinite "
-          "Add AddV2 Sub Mul Maximum Minimum SquaredDifference BiasAdd AddN "
-          "Equal NotEqual Less LessEqual Greater GreaterEqual LogicalAnd LogicalOr "
-          "Select SelectV2 ClipByValue "
-          "ReluGrad Relu6Grad LeakyReluGrad TanhGrad SigmoidGrad RsqrtGrad", _ELEMENTWISE)
-# Elementwise, expensive: materialised once when two fusions read them (measured: Exp, Tanh, Sqrt,
-# Rsqrt, Log, Erf, Sigmoid, Softplus, RealDiv by a tensor, Pow to a tensor power; the rest by
-# XLA's list of expensive opcodes).  ``x / c`` and ``x ** n`` (constant c, n of 2 or 3) become
-# multiplies and are cheap (measured).
-_EXPENSIVE = Rule(Kind.LOOP, in_place=True, expensive=True)
-_register("Exp Expm1 Log Log1p Tanh Sigmoid Sqrt Rsqrt Erf Erfc Softplus Elu Selu Reciprocal Inv "
-          "Atan2 Tan Atan Asin Acos Sinh Cosh Asinh Acosh Atanh FloorDiv FloorMod Xlogy Xdivy DivNoNan "
-          "Softsign SqrtGrad SoftplusGrad EluGrad", _EXPENSIVE)
-_register("Pow", Rule(Kind.LOOP, in_place=True, expensive=lambda op: not _is_integer_power(op)))
-_register("RealDiv Div", Rule(Kind.LOOP, in_place=True, expensive=lambda op: not _is_constant_divisor(op)))
-# Generators: a broadcast or an iota inside the consumer's fusion.
-# Random draws are materialised (measured: dropout of an 8 MB tensor, summed, needs 8 MB beside its
-# input, stateful or stateless alike); their shape operand is read at compile time.
-_register("RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt StatelessRandomUniform "
-          "StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformV2 StatelessRandomNormalV2 "
-          "StatelessTruncatedNormalV2 StatelessRandomUniformIntV2", Rule(Kind.LIBRARY, static_inputs=(0,)))
-_register("StatelessRandomGetKeyCounter", Rule(Kind.LIBRARY))
-_register("Fill", Rule(Kind.LOOP, static_inputs=(0,)))
-_register("ZerosLike OnesLike", Rule(Kind.LOOP, static_inputs=(0,)))
-_register("Range", Rule(Kind.LOOP, static_inputs=(0, 1, 2)))
-_register("OneHot", Rule(Kind.LOOP, static_inputs=(1,)))
-
-# Layout ops: fusible both ways (measured: ``exp(transpose(x))``, ``exp(concat(x, x))``,
-# ``pad(exp(x))``, ``exp(x[:500])`` and ``exp(gather(x, i))`` are each one fusion), but an operand
-# of a library call is copied out (``concat(x, x) @ w``, ``x[:500] @ w``, ``tile(x) @ w``).  Their
-# output differs in shape from their input, so never in place.
-_register("Transpose", Rule(Kind.LOOP, static_inputs=(1,), bitcast_when=_transpose_into_dot))
-_register("Slice", Rule(Kind.LOOP, static_inputs=(1, 2), bitcast_when=_full_range))
-_register("StridedSlice", Rule(Kind.LOOP, static_inputs=(1, 2, 3), bitcast_when=_full_range))
-_register("ConcatV2", Rule(Kind.LOOP, static_inputs=(-1,)))
-# Pack is ConcatV2 of its inputs each given a new unit axis (GPflow packs shapes and small tensors).
-_register("Pack", Rule(Kind.LOOP))
-# Training steps (Keras, GPflow with the tape inside): the ops gradients and optimizers emit.
-# A variable update writes its value into the variable's buffer: the value's loop fuses into it.
-_register("AssignVariableOp AssignAddVariableOp AssignSubVariableOp", Rule(Kind.LOOP, static_inputs=(0,)))
-_register("CheckNumerics", Rule(Kind.BITCAST))
-_register("InvertPermutation ConcatOffset", Rule(Kind.STATIC, static_inputs=(0, 1)))
-_register("StridedSliceGrad", Rule(Kind.LOOP, static_inputs=(0, 1, 2, 3)))
-_register("BiasAddGrad FusedBatchNormV3 FusedBatchNormGradV3", Rule(Kind.LIBRARY))
-_register("Pad MirrorPad", Rule(Kind.LOOP, static_inputs=(1,)))
-_register("PadV2", Rule(Kind.LOOP, static_inputs=(1,)))
-_register("Tile BroadcastTo ReverseV2", Rule(Kind.LOOP, static_inputs=(1,)))
-_register("GatherV2", Rule(Kind.LOOP, static_inputs=(2,)))
-_register("Gather", Rule(Kind.LOOP))
-# An embedding lookup reads the variable's buffer in place, like GatherV2 of a variable's read.
-_register("ResourceGather", Rule(Kind.LOOP, static_inputs=(0,)))
-# A sparse update (Keras' optimizers on an embedding's IndexedSlices): the scatter writes into the
-# variable's buffer, as a dense update does.  Unique and the segment sum that merge repeated rows
-# are kernels (their sizes are dynamic: the model's estimate of such a program is a lower bound).
-_register("ResourceScatterAdd ResourceScatterSub ResourceScatterUpdate ResourceScatterMul ResourceScatterDiv "
-          "ResourceScatterMax ResourceScatterMin", Rule(Kind.LOOP, static_inputs=(0,)))
-_register("Unique", Rule(Kind.LIBRARY))
-# A TensorArray written in a loop (the splitter's concatenating combiner): XLA allocates the stacked
-# buffer, which the stack reads out as its output; the reserve itself holds nothing yet.
-_register("TensorListReserve", Rule(Kind.STATIC, static_inputs=(0, 1)))
-_register("TensorListStack", Rule(Kind.LIBRARY, static_inputs=(1,)))
-_register("UnsortedSegmentSum UnsortedSegmentMax UnsortedSegmentMin UnsortedSegmentProd",
-          Rule(Kind.LIBRARY, static_inputs=(2,)))
-# Diagonals (``tf.eye``, ``tf.linalg.diag_part``, ``set_diag``, ``band_part``): iota, compare and
-# select in XLA, so loop ops like the rest.
-_register("MatrixDiagV3", Rule(Kind.LOOP, static_inputs=(1, 2, 3, 4)))
-_register("MatrixDiagPartV3", Rule(Kind.LOOP, static_inputs=(1, 2)))
-_register("MatrixSetDiagV3", Rule(Kind.LOOP, static_inputs=(2,)))
-_register("MatrixBandPart", Rule(Kind.LOOP, static_inputs=(1, 2)))
-
-# Reductions: see reduction_plan for their operands; their own output is materialised unless the
-# reduction is a loop fusion that fuses into its reader (measured: ``argmin`` of a D = 3 distance
-# [20000, 1000] is one fusion of 490 kB in all; ``sqrt`` of it is one fusion) or is merged.
-_register("Sum Mean Max Min Prod All Any ArgMax ArgMin",
-          Rule(Kind.REDUCE, static_inputs=(1,), fuses_operand=_reduction_fuses_operand, scratch=_reduction_scratch))
-
-# Library calls: operands in memory, output materialised.  Measured: ``exp(x) @ w`` materialises
-# ``exp(x)``; a bias add and relu after the dot run in place over its output.
-# A matrix-vector product with a small vector is emitted by XLA itself, fusing the matrix.
-_register("MatMul", Rule(Kind.LIBRARY, fuses_operand=_matvec_fuses_operand))
-_register("BatchMatMul BatchMatMulV2 BatchMatMulV3 Einsum", Rule(Kind.LIBRARY))
-_register("Cholesky", Rule(Kind.LIBRARY, scratch=_cholesky_scratch))
-_register("MatrixTriangularSolve", Rule(Kind.LIBRARY, scratch=_triangular_solve_scratch))
-_register("MatrixInverse", Rule(Kind.LIBRARY, scratch=_inverse_scratch))
-# top-k is a kernel call: measured [1000, 1000] f32, k = 10 costs input + 2 x 40 kB, no scratch.
-_register("TopKV2", Rule(Kind.LIBRARY, static_inputs=(1,)))
-# Softmax is max, exp(x - max), sum, divide: the operand is read twice (so in memory), the result
-# is written over it when it dies (measured: softmax of a [1000, 1000] parameter costs 8 MB).  A
-# cheap operand is recomputed by the exp fusion: ``softmax(q k^T / 8)`` keeps ``q k^T`` and
-# ``q k^T / 8`` live together (measured: 8.4 MB of temporaries for [4, 512, 512] scores).
-_register("Softmax LogSoftmax",
-          Rule(Kind.LIBRARY, in_place=True, scratch=_softmax_scratch, recomputes_operand=True))
-# Cross-entropy from logits: a log-softmax of the logits, the loss [B] and its gradient [B, C]
-# (written over the log-softmax); counted like Softmax.
-_register("SparseSoftmaxCrossEntropyWithLogits SoftmaxCrossEntropyWithLogits",
-          Rule(Kind.LIBRARY, scratch=_softmax_scratch, recomputes_operand=True))
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -655,6 +198,9 @@ class Estimate:
 
 # --- the analysis -----------------------------------------------------------------------------
 
+# Layout ops whose output is larger than an input without reading any element twice.
+_NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad"})
+
 
 def _shape_tuple(t: tf.Tensor):
     return None if t.shape.rank is None else tuple(t.shape.as_list())
@@ -746,7 +292,8 @@ class _Analysis:
     # -- decisions --
 
     def _info(self, t, materialised, reason, alias_of=None) -> TensorInfo:
-        return TensorInfo(t.name, t.op.type, _shape_tuple(t), t.dtype, _nbytes(t), materialised, reason, alias_of)
+        return TensorInfo(t.name, t.op.type, _shape_tuple(t), t.dtype, _static_nbytes(t), materialised, reason,
+                          alias_of)
 
     def _roots(self, op) -> frozenset:
         """The kernels whose fusions compute ``op``'s output: itself if it is materialised."""
@@ -795,7 +342,7 @@ class _Analysis:
                 return self._info(t, False, f"merged into `{outer.type}` ({outer.name}): XLA folds a reduction "
                                             "of a reduction into one")
             plan = reduction_plan(op, self)
-            if op.type in _ARG_REDUCTIONS or not plan.keeps_producers:
+            if op.type in ARG_REDUCTIONS or not plan.keeps_producers:
                 return self._info(t, True, "reduction output")
             # A reduction emitted as a loop fusion can itself be fused into its reader; XLA treats
             # it as expensive (measured: read by two fusions, or broadcast, it is materialised).
@@ -1028,7 +575,7 @@ def bytes_for_chunk(est: Estimate, split: Mapping[str, int], chunk: int) -> int:
     over the same schedule.  Pure arithmetic, no TensorFlow.
 
     Fusion decisions are those of the full-size graph: a chunk that changes a reduced extent
-    across the 32-element threshold (:data:`FUSED_REDUCTION_MAX`) would change them, so split
+    across the 32-element threshold (:data:`~grappler_ext.xla_facts.FUSED_REDUCTION_MAX`) would change them, so split
     along axes that are not reduced.  Scratch (library kernels, split reductions) keeps its
     full size, an overestimate for smaller chunks.
     """

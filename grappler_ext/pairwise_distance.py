@@ -53,16 +53,13 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext import gradients, graph_edit
+from grappler_ext.graph_query import live_ops
 from grappler_ext.pass_base import GraphPass, PassResult
 from grappler_ext.pattern import Any, Const, OneOf, Op, is_floating, match, static_shape
 from grappler_ext.pipeline import register_pass
-from grappler_ext.verifier import live_ops
+from grappler_ext.xla_facts import FUSED_REDUCTION_MAX
 
-__all__ = ["PairwiseDistance", "FUSED_REDUCTION_MAX"]
-
-# XLA:CPU keeps a reduction over an innermost axis of at most this many elements fused with its
-# elementwise producers (measured on TF 2.21: D = 32 costs |N x M| bytes, D = 33 costs |N x M x D|).
-FUSED_REDUCTION_MAX = 32
+__all__ = ["PairwiseDistance"]
 
 _a = Any("a", where=[is_floating(), static_shape()])
 _b = Any("b", where=[static_shape()])

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from typing import ClassVar, Literal
 
-__all__ = ["Record", "PassResult", "GraphPass", "REWRITTEN", "SKIPPED"]
+__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "REWRITTEN", "SKIPPED"]
 
 REWRITTEN: Literal["rewritten"] = "rewritten"
 SKIPPED: Literal["skipped"] = "skipped"
@@ -30,6 +31,10 @@ class Record:
       reason: one line a person reads ("cannot split through `Cholesky`: no rule").
       bytes_before: bytes of the region before the rewrite, if known.
       bytes_after: bytes after the rewrite, if known.
+      code: what was decided, as a value of the pass's own code enum (a ``str`` enum, so it equals its
+        value after a JSON round trip); code that needs the decision reads this, never ``reason``.
+      plan: the pass's frozen plan behind the record, where it has one (the splitter's loops, and its
+        growth of starved gradient loops).
     """
 
     pass_name: str
@@ -38,6 +43,8 @@ class Record:
     reason: str
     bytes_before: int | None = None
     bytes_after: int | None = None
+    code: enum.Enum | str | None = None
+    plan: object | None = None
 
     def __post_init__(self):
         if self.action not in (REWRITTEN, SKIPPED):
@@ -46,7 +53,11 @@ class Record:
             raise ValueError("Record.reason must be one line")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON-ready data: the code as its value, the plan as a dict."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["code"] = self.code.value if isinstance(self.code, enum.Enum) else self.code
+        out["plan"] = dataclasses.asdict(self.plan) if dataclasses.is_dataclass(self.plan) else self.plan
+        return out
 
 
 @dataclasses.dataclass
@@ -69,17 +80,44 @@ class PassResult:
         return [r for r in self.records if r.action == SKIPPED]
 
     def rewrote(self, ops, reason: str, bytes_before: int | None = None,
-                bytes_after: int | None = None) -> Record:
-        return self._add(REWRITTEN, ops, reason, bytes_before, bytes_after)
+                bytes_after: int | None = None, code=None, plan=None) -> Record:
+        return self._add(REWRITTEN, ops, reason, bytes_before, bytes_after, code, plan)
 
-    def skip(self, ops, reason: str, bytes_before: int | None = None) -> Record:
-        return self._add(SKIPPED, ops, reason, bytes_before, None)
+    def skip(self, ops, reason: str, bytes_before: int | None = None, code=None, plan=None) -> Record:
+        return self._add(SKIPPED, ops, reason, bytes_before, None, code, plan)
 
-    def _add(self, action, ops, reason, bytes_before, bytes_after) -> Record:
+    def _add(self, action, ops, reason, bytes_before, bytes_after, code, plan) -> Record:
         names = tuple(o if isinstance(o, str) else o.name for o in ops)
-        record = Record(self.pass_name, action, names, reason, bytes_before, bytes_after)
+        record = Record(self.pass_name, action, names, reason, bytes_before, bytes_after, code, plan)
         self.records.append(record)
         return record
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOptions:
+    """What the passes and the pipeline read, typed: every pass receives one of these (or of a
+    subclass: ``tf_memsafe.Options`` adds the user-facing fields) and reads its fields directly.
+
+    Attributes:
+      memory_limit_bytes: the limit on XLA's "Total bytes used" of each program, in bytes; ``None``
+        (no limit known) makes the memory-driven passes skip.
+      disabled_passes: names of passes the pipeline does not run.
+      verify: run the verifier after every pass.
+      max_fixed_point_iterations: cap on repetitions of the pipeline while a pass changes the graph.
+      dump_dir: where the pipeline writes the printed graph before and after each pass, if set.
+      calibrate_chunks: let the splitter size loops from XLA's figure for them (with a measurer).
+      check_programs: let the splitter check programs with XLA's figure (with a measurer).
+      redraw_random: let the splitter draw random values again slice by slice.
+    """
+
+    memory_limit_bytes: int | None = None
+    disabled_passes: frozenset[str] = frozenset()
+    verify: bool = False
+    max_fixed_point_iterations: int = 4
+    dump_dir: str | None = None
+    calibrate_chunks: bool = True
+    check_programs: bool = True
+    redraw_random: bool = False
 
 
 class GraphPass(abc.ABC):

@@ -23,7 +23,7 @@ import importlib
 import os
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from grappler_ext.graph_edit import Journal, journaled
 from grappler_ext.pass_base import GraphPass, PassResult, Record
@@ -157,14 +157,25 @@ class Pipeline:
             f.write(format_graph(graph))
 
 
-def default_pipeline() -> Pipeline:
+def default_pipeline(instances: Mapping[str, GraphPass] | None = None) -> Pipeline:
     """The product's pipeline: every pass of :data:`DEFAULT_ORDER`, in that order.
 
-    A pass named ``x`` lives in the module ``grappler_ext.x``; importing it registers it.
+    A pass named ``x`` lives in the module ``grappler_ext.x``; importing it registers it.  Passes are
+    built with no arguments, except those given in ``instances`` (by name): the composition root
+    hands in the passes it builds with their dependencies (``tf_memsafe`` gives the splitter XLA's
+    measurer).
     """
+    instances = dict(instances or {})
     for name in DEFAULT_ORDER:
         importlib.import_module(f"grappler_ext.{name}")
     missing = [n for n in DEFAULT_ORDER if n not in _REGISTRY]
     if missing:
         raise RuntimeError(f"DEFAULT_ORDER names unregistered pass(es) {missing}")
-    return Pipeline([_REGISTRY[n]() for n in DEFAULT_ORDER])
+    unknown = sorted(set(instances) - set(DEFAULT_ORDER))
+    if unknown:
+        raise ValueError(f"no pass named {unknown} in the default pipeline; its passes: {list(DEFAULT_ORDER)}")
+    for name, instance in instances.items():
+        if not isinstance(instance, _REGISTRY[name]):
+            raise TypeError(f"the pass given for {name!r} is a {type(instance).__name__}, not a "
+                            f"{_REGISTRY[name].__name__}")
+    return Pipeline([instances.get(n) or _REGISTRY[n]() for n in DEFAULT_ORDER])

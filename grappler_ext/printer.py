@@ -44,7 +44,7 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from grappler_ext.verifier import live_ops, topological_order
+from grappler_ext.graph_query import live_ops, topological_order
 
 __all__ = ["assert_graph_text", "canonical_lines", "format_graph", "graph_fingerprint"]
 

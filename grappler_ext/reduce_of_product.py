@@ -106,10 +106,10 @@ import math
 import tensorflow as tf
 
 from grappler_ext import graph_edit
+from grappler_ext.graph_query import live_ops
 from grappler_ext.pass_base import GraphPass, PassResult
 from grappler_ext.pattern import Any, Const, OneOf, Op, is_floating, match, static_shape
 from grappler_ext.pipeline import register_pass
-from grappler_ext.verifier import live_ops
 
 __all__ = [
     "ReduceOfProduct", "Dims", "Cost", "FLOP_SLACK", "product_cost", "linear_cost", "diag_cost",

@@ -100,3 +100,33 @@ class SilentEditPass(GraphPass):
                     graph_edit.replace_uses(src, src + 1.0)
                 break
         return PassResult(self.name)
+
+
+class FakeMeasurer:
+    """A splitter measurer (``grappler_ext.splitter.Measurer``) giving chosen figures: ``program``
+    (``graph -> bytes``) for whole programs and ``function`` (``(fn, specs) -> bytes``) for loops;
+    XLA's own figure (``tf_memsafe.memory.XlaMeasurer``) for whichever is not given.  ``calls``
+    lists the graphs whose figure was asked for."""
+
+    def __init__(self, program=None, function=None):
+        from tf_memsafe.memory import XlaMeasurer
+
+        self.xla = XlaMeasurer()
+        self.program, self.function = program, function
+        self.calls: list = []
+
+    def program_bytes(self, graph) -> int:
+        self.calls.append(graph)
+        return (self.program or self.xla.program_bytes)(graph)
+
+    def function_bytes(self, fn, specs) -> int:
+        return (self.function or self.xla.function_bytes)(fn, specs)
+
+
+def raises(error: Exception):
+    """A figure function that raises ``error`` (a measurement that fails)."""
+
+    def fail(*args):
+        raise error
+
+    return fail

@@ -18,6 +18,7 @@ import dataclasses
 import threading
 from collections.abc import Iterable, Iterator
 
+from grappler_ext.pass_base import PassOptions
 from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit
 
 __all__ = ["Options", "current", "scoped", "set_global", "get_global", "make_options"]
@@ -26,8 +27,9 @@ DEFAULT_MEMORY_LIMIT = "80%"
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """What tf_memsafe does to each traced ``tf.function``.
+class Options(PassOptions):
+    """What tf_memsafe does to each traced ``tf.function``: the passes' typed options
+    (:class:`grappler_ext.pass_base.PassOptions`) and the user-facing ones around them.
 
     Attributes:
       memory_limit_bytes: the limit on XLA's buffer assignment ("Total bytes used") of each

@@ -36,7 +36,7 @@ from tf_memsafe import _tf_internals, config
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
-           "report_mark", "reports_since", "limit_bytes",
+           "report_mark", "reports_since", "limit_bytes", "product_pipeline",
            "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
@@ -89,12 +89,23 @@ def _depth() -> int:
     return getattr(_local, "depth", 0)
 
 
+def product_pipeline() -> Pipeline:
+    """The product's pipeline, composed: grappler_ext's passes, the splitter given XLA's figures
+    (:class:`tf_memsafe.memory.XlaMeasurer`).  Every pass holds only what it was built with, so one
+    pipeline serves every thread that traces."""
+    from grappler_ext.splitter import Splitter
+    from tf_memsafe.memory import XlaMeasurer  # memory imports this module (hook.suspended)
+
+    return default_pipeline({"splitter": Splitter(measurer=XlaMeasurer())})
+
+
 def _pipeline() -> Pipeline:
     global _default_pipeline
     if _pipeline_override:
         return _pipeline_override[-1]
-    if _default_pipeline is None:
-        _default_pipeline = default_pipeline()
+    with _lock:
+        if _default_pipeline is None:
+            _default_pipeline = product_pipeline()
     return _default_pipeline
 
 

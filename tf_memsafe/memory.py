@@ -25,7 +25,7 @@ from tf_memsafe import _tf_internals, hook, xla_flags
 from tf_memsafe.errors import TfMemsafeError
 
 __all__ = ["memory_footprint", "compiled_bytes", "graph_bytes", "tape_footprint", "TapeFootprint", "peak_memory",
-           "MeasurementError"]
+           "MeasurementError", "XlaMeasurer"]
 
 _TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
 _REPORT_GLOB = "*after_optimizations-memory-usage-report.txt"
@@ -109,7 +109,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
     """XLA's "Total bytes used" for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``,
     traced with tf_memsafe's hook suspended: the figure of exactly the program ``fn`` builds.
 
-    Compiled, never run.  The splitter measures its loops with it (see ``grappler_ext.splitter``).
+    Compiled, never run.  The splitter measures its loops with it (through :class:`XlaMeasurer`).
     """
     with xla_flags.dump_for_one_compile() as folder, hook.suspended():
         fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
@@ -153,6 +153,20 @@ def graph_bytes(graph) -> int:
     fn = tf.function(copy, jit_compile=True, autograph=False)
     with tf.init_scope():
         return compiled_bytes(fn, *[tf.TensorSpec(t.shape, t.dtype) for t in arguments])
+
+
+class XlaMeasurer:
+    """XLA's figures for the splitter (:class:`grappler_ext.splitter.Measurer`): programs compiled with
+    tf_memsafe's hook suspended, never run, their "Total bytes used" read from XLA's report."""
+
+    def program_bytes(self, graph) -> int:
+        return graph_bytes(graph)
+
+    def function_bytes(self, fn, specs) -> int:
+        return compiled_bytes(fn, *specs)
+
+    def __repr__(self) -> str:
+        return "XlaMeasurer()"
 
 
 @dataclasses.dataclass(frozen=True)

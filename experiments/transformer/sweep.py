@@ -66,6 +66,7 @@ import tensorflow as tf
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments.transformer import data as tdata
 from experiments.transformer import model as tmodel
+from grappler_ext.splitter import CANNOT_SPLIT
 from tf_memsafe import hook, xla_flags
 
 MODES = ("forward", "train")
@@ -188,7 +189,7 @@ class Case:
         if variant == "tf_memsafe" and not within and not caught:
             # Over the limit without a warning: the splitter's first skip says why (left alone, dynamic shapes...).
             skips = [r for r in records if r.pass_name == "splitter" and r.action == "skipped"]
-            stuck = sorted((r for r in skips if r.reason.startswith("cannot split")),
+            stuck = sorted((r for r in skips if r.code in CANNOT_SPLIT),
                            key=lambda r: -(r.bytes_before or 0))
             if stuck or skips:
                 notes.append(f"splitter: {(stuck or skips)[0].reason.splitlines()[0][:300]}")

@@ -7,6 +7,7 @@ import json
 import tensorflow as tf
 
 from experiments import overhead
+from grappler_ext.splitter import LoopPlan, RootSplit
 
 
 def test_quick_run_writes_csv_json_and_plot(tmp_path):
@@ -74,16 +75,17 @@ def test_results_without_a_mode_read_as_forward_rows():
     assert overhead.Row(**row).mode == "forward"
 
 
-def test_parse_plan_reads_the_splitters_record():
-    reason = "`TopKV2` concat over input 0 axis 0: 38 x 520 + 240 of 20000"
-    assert overhead.parse_plan(reason, 20000) == (520, 38, 240)
-    assert overhead.parse_plan("`MatMul` concat over input 0 axis 0: 16 x 500 of 8000", 8000) == (500, 16, 0)
+def test_plan_rows_reads_the_splitters_plan():
+    def plan(kind, axes, length, chunk):
+        return LoopPlan((RootSplit("root", "TopKV2", kind, axes),), length, chunk, chunk, 0)
+
+    assert overhead.plan_rows(plan("concat", (0, None), 20000, 520), 20000) == (520, 38, 240)
+    assert overhead.plan_rows(plan("concat", (0, None), 8000, 500), 8000) == (500, 16, 0)
     # Another axis: as many chunks over the rows (39 here).
-    assert overhead.parse_plan("`Sum` sum over input 0 axis 1: 38 x 520 + 240 of 20000", 3900) == (100, 39, 0)
-    # A training step's record goes on after the plan.
-    assert overhead.parse_plan("`Mean` mean over input 0 axis 0: 5 x 200 of 1000; 1 gradient inside the function "
-                               "rebuilt", 1000) == (200, 5, 0)
-    assert overhead.parse_plan("no plan here", 100) is None
+    assert overhead.plan_rows(plan("sum", (1, None), 20000, 520), 3900) == (100, 39, 0)
+    # The same axis of another input, or of another length: as many chunks too.
+    assert overhead.plan_rows(plan("sum", (None, 0), 1000, 200), 1000) == (200, 5, 0)
+    assert overhead.plan_rows(plan("concat", (0, None), 2000, 200), 1000) == (100, 10, 0)
 
 
 def test_fallback_plan_fits_the_hand_written_loop_in_the_limit():

@@ -7,7 +7,8 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.framework.func_graph import FuncGraph
 
-from grappler_ext import folding, split_rules
+from grappler_ext import folding
+from grappler_ext.splitter import rules as split_rules
 
 
 def in_graph(build):

@@ -8,7 +8,7 @@ builds the function.
 import pytest
 import tensorflow as tf
 
-from grappler_ext import graph_edit
+from grappler_ext import graph_edit, graph_query
 from grappler_ext.graph_edit import EditError, Journal, journaled
 
 
@@ -130,5 +130,5 @@ def test_ancestors_follow_control_edges():
             return tf.identity(x)
 
     g = f.get_concrete_function(tf.TensorSpec([2])).graph
-    types = {op.type for op in graph_edit.ancestors(g.outputs)}
+    types = {op.type for op in graph_query.ancestors(g.outputs)}
     assert {"Sin", "Placeholder", "Identity"} <= types

@@ -9,9 +9,10 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
-from grappler_ext.pairwise_distance import FUSED_REDUCTION_MAX, PairwiseDistance
+from grappler_ext.pairwise_distance import PairwiseDistance
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.printer import format_graph
+from grappler_ext.xla_facts import FUSED_REDUCTION_MAX
 from tf_memsafe import hook
 
 N, M, D = 30, 40, 64

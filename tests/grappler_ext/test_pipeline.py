@@ -4,9 +4,9 @@ import pytest
 import tensorflow as tf
 
 from grappler_ext import pipeline as pipeline_mod
+from grappler_ext.graph_query import live_ops
 from grappler_ext.pass_base import GraphPass, PassResult, Record
 from grappler_ext.pipeline import Pipeline, PipelineError, register_pass
-from grappler_ext.verifier import live_ops
 from tests.fakes import CountingPass, FailingPass, ScaleOutputsPass, SilentEditPass
 from tf_memsafe.config import make_options
 

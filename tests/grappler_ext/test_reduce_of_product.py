@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext.graph_query import live_ops
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.printer import assert_graph_text, format_graph
 from grappler_ext.reduce_of_product import (
@@ -23,7 +24,6 @@ from grappler_ext.reduce_of_product import (
     product_cost,
     refusal,
 )
-from grappler_ext.verifier import live_ops
 from tf_memsafe import hook
 
 N, J, M = 30, 5, 40

@@ -6,7 +6,6 @@ needs 175 MB measured.  With a 16 MB limit, the splitter computes Kuf and A in s
 in one loop that accumulates both A A^T and A err, and the gradients are rebuilt on it.
 """
 
-import re
 from typing import NamedTuple
 
 import gpflow
@@ -16,7 +15,11 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tf_memsafe
-from grappler_ext import splitter
+from grappler_ext.pipeline import default_pipeline
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, Tuning
+from tests.fakes import FakeMeasurer
+from tf_memsafe import hook
+from tf_memsafe.memory import XlaMeasurer
 
 N, M, LIMIT = 20000, 200, 16 * 10**6
 
@@ -64,17 +67,15 @@ def test_loss_and_gradients_with_the_tape_inside(model):
 
 
 @pytest.mark.parametrize("xla_agrees", [True, False])
-def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees, monkeypatch):
+def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
     """Matern32, M = 400 inducing points under 30 MB: the model counts so much of the rest of the
     step (the [400, 400] kernel's gradient) beside the gradient loop that it leaves it 50 rows a
     step against the forward's 263 (400 steps); XLA's figure for the program as split leaves room
     under the limit, so the gradient loop is planned again with that room, and checked again: kept
     within the limit, or (its figure faked over the limit) the first plan built again."""
-    from tf_memsafe import memory
-
-    if not xla_agrees:
-        measured = iter([memory.graph_bytes])             # the first plan's figure is XLA's own
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: next(measured, lambda g: 10**9)(graph))
+    xla = XlaMeasurer()
+    measured = iter([xla.program_bytes])                 # the first plan's figure is XLA's own
+    measurer = xla if xla_agrees else FakeMeasurer(program=lambda graph: next(measured, lambda g: 10**9)(graph))
     model = sgpr_model(gpflow.kernels.Matern32, m=400)
 
     def loss_and_grads():
@@ -85,21 +86,20 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees, monk
     expected = tf.function(loss_and_grads, jit_compile=True)()
     limit = 30 * 10**6
     tf_memsafe.enable(limit, strict=True)
-    got = tf.function(loss_and_grads, jit_compile=True)()
-    records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
-    (split,) = [r for r in records if r.action == "rewritten"]
-    (grown,) = [r.reason for r in records if r.reason.startswith("gradient loops")]
-    starved = int(re.search(r"chunks of (\d+)", grown).group(1))
-    forward, backward = (int(re.search(pattern, split.reason).group(1))
-                         for pattern in (r": \d+ x (\d+)", r"its gradient \d+ x (\d+)"))
-    assert starved * splitter.BACKWARD_COST_FACTOR < forward, (grown, split.reason)
-    if xla_agrees:
-        assert grown.startswith("gradient loops grown") and backward >= 2 * starved, (grown, split.reason)
-    else:
-        assert grown.startswith("gradient loops not grown") and backward == starved, (grown, split.reason)
-    assert_close(got, expected, 1e-10)
-    if xla_agrees:
-        assert tf_memsafe.memory_footprint(loss_and_grads) <= limit
+    with hook.use_pipeline(default_pipeline({"splitter": Splitter(measurer)})):
+        got = tf.function(loss_and_grads, jit_compile=True)()
+        records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
+        (split,) = [r for r in records if r.action == "rewritten"]
+        (grown,) = [r for r in records if r.code in (Code.GROWN, Code.NOT_GROWN)]
+        (starved,) = grown.plan.starved_chunks
+        assert starved * DEFAULT_TUNING.backward_cost_factor < split.plan.chunk, (grown.reason, split.reason)
+        if xla_agrees:
+            assert grown.code == Code.GROWN and split.plan.backward_chunk >= 2 * starved, (grown.reason, split.reason)
+        else:
+            assert grown.code == Code.NOT_GROWN and split.plan.backward_chunk == starved, (grown.reason, split.reason)
+        assert_close(got, expected, 1e-10)
+        if xla_agrees:
+            assert tf_memsafe.memory_footprint(loss_and_grads) <= limit
 
 
 def test_loss_with_the_tape_outside(model):
@@ -203,14 +203,12 @@ def test_predictions_over_a_test_set_as_large_as_the_training_set(kernel):
                                   model.predict_log_density((X_test, Y_test))), LIMIT, 1e-10)
 
 
-def test_the_test_points_side_of_the_density_is_one_loop(monkeypatch):
+def test_the_test_points_side_of_the_density_is_one_loop():
     """predict_log_density at M = 100, T = 6000 under 12 MB: the training side's [M, N] tensors are
     split first (16 MB); then K(Z, X*) [M, T] (4.8 MB) reaches the density 14 ops down, beyond the
     first search for roots, whose best is a best effort splitting one solve.  The wider search
     takes the whole test side into one loop: two loops in all, and under 0.8x the bytes the
     narrower search leaves."""
-    import grappler_ext.splitter as splitter_module
-
     limit = 12 * 10**6
     with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
         model = sgpr_model(gpflow.kernels.SquaredExponential, m=100)
@@ -220,11 +218,12 @@ def test_the_test_points_side_of_the_density_is_one_loop(monkeypatch):
             return model.predict_log_density((X_test, np.sin(X_test[:, :1])))
 
         compare_compiled(density, limit, 1e-10)
-        splits = {r.reason for r in rewrites() if r.pass_name == "splitter"}    # the same in each trace
-        assert len(splits) == 2 and any(" of 6000;" in r for r in splits), splits
+        splits = {r.plan for r in rewrites() if r.pass_name == "splitter"}      # the same in each trace
+        assert len(splits) == 2 and any(p.length == 6000 for p in splits), [p.render() for p in splits]
         wide = tf_memsafe.memory_footprint(density)
-        monkeypatch.setattr(splitter_module, "_MAX_ROOT_DEPTH_WIDE", splitter_module._MAX_ROOT_DEPTH)
-        narrow = tf_memsafe.memory_footprint(density)
+        narrow_search = Splitter(XlaMeasurer(), Tuning(root_depth_wide=DEFAULT_TUNING.root_depth))
+        with hook.use_pipeline(default_pipeline({"splitter": narrow_search})):
+            narrow = tf_memsafe.memory_footprint(density)
         assert wide < 0.8 * narrow
 
 

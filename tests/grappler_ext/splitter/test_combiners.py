@@ -1,6 +1,6 @@
 """combiners: the partial results of the slices, folded in slice order, are the unsplit result.
 
-Every test drives a combiner as :mod:`grappler_ext.split_loop` does (see :func:`fold`): ``init``
+Every test drives a combiner as :mod:`grappler_ext.splitter.loop` does (see :func:`fold`): ``init``
 with one full slice's partial specs, a ``tf.while_loop`` with ``maximum_iterations = L // c`` whose
 body computes the root op on ``x[.., i c : i c + c, ..]`` and calls ``step(carry, partials, i, i c)``,
 then the root on the remainder slice (``L % c`` long) outside the loop, then ``finish``.  Each case
@@ -16,7 +16,7 @@ products of powers of two (exact in any order).  Floating sums and means reassoc
 held to the standard bound on a summation's rounding, for either order:
 ``|got - want| <= 2 n eps sum_i |x_i|`` (``n``: the elements of ``x``, at least the terms).
 
-Gradients (``slice_upstream``) are checked as ``split_loop._backward`` uses them (see
+Gradients (``slice_upstream``) are checked as ``splitter.loop._backward`` uses them (see
 :func:`split_gradient`): each slice recomputed in a second loop, its partials differentiated with
 ``tf.gradients`` and the upstream the combiner routes to that slice, the slices' gradients joined
 along the split axis; against ``tf.gradients`` of the unsplit root, on random upstream values, in
@@ -36,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from grappler_ext.combiners import (
+from grappler_ext.splitter.combiners import (
     REDUCTION_COMBINERS,
     Arg,
     Concat,
@@ -52,7 +52,7 @@ from grappler_ext.combiners import (
     tie_count,
     value_at,
 )
-from grappler_ext.split_loop import dynamic_slice
+from grappler_ext.splitter.slicing import dynamic_slice
 
 F16, F32, F64, BOOL = tf.float16, tf.float32, tf.float64, tf.bool
 I8, U8, I32, I64 = tf.int8, tf.uint8, tf.int32, tf.int64
@@ -62,7 +62,7 @@ MODES = (pytest.param(False, id="graph"), pytest.param(True, id="xla"))
 
 
 # ---------------------------------------------------------------------------------------------
-# The driver: a combiner run exactly as split_loop runs it.
+# The driver: a combiner run exactly as splitter.loop runs it.
 # ---------------------------------------------------------------------------------------------
 
 def _partial_specs(partial_fn, shape, dtype) -> list[tf.TensorSpec]:
@@ -74,7 +74,7 @@ def _partial_specs(partial_fn, shape, dtype) -> list[tf.TensorSpec]:
 def fold(combiner, partial_fn, x: tf.Tensor, axis: int, chunk: int) -> list[tf.Tensor]:
     """The combined outputs of ``partial_fn`` over the slices of ``x`` along ``axis``, in the current graph.
 
-    As ``split_loop.build_split``'s forward: full slices in a while loop with a static trip count
+    As ``splitter.loop.build_split``'s forward: full slices in a while loop with a static trip count
     (offset ``i * chunk`` a tensor), the remainder slice after it, then ``finish``.
     """
     steps, tail = divmod(x.shape[axis], chunk)
@@ -103,7 +103,7 @@ def split_gradient(combiner, partial_fn, x: np.ndarray, upstream, axis: int, chu
                    jit: bool) -> tuple[np.ndarray, np.ndarray]:
     """(gradient of the split computation, gradient of the unsplit root) w.r.t. ``x``, given ``upstream``.
 
-    The split one as ``split_loop._backward`` builds it: forward by :func:`fold`; then, per slice of
+    The split one as ``splitter.loop._backward`` builds it: forward by :func:`fold`; then, per slice of
     ``backward_chunk`` (in a while loop, remainder after it), the slice's partials recomputed and
     differentiated w.r.t. the slice with ``grad_ys = slice_upstream(...)``; slices joined along ``axis``.
     """

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from grappler_ext.chunk_plan import ChunkPlan, NoPlan, plan_chunks
+from grappler_ext.splitter.chunk_plan import ChunkPlan, NoPlan, plan_chunks
 
 
 def test_worked_examples_of_the_docstring():

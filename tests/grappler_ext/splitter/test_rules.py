@@ -1,4 +1,4 @@
-"""split_rules: every rule computes exactly the wanted slice, and every refusal says why.
+"""splitter.rules: every rule computes exactly the wanted slice, and every refusal says why.
 
 The numeric check, for each case and each axis of the op's output: slice the op's inputs as the
 :class:`Propagation` says, at a dynamic offset ``s`` with a static chunk ``c``, rebuild the op on
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensorflow.python.framework.func_graph import FuncGraph
 
-from grappler_ext.split_rules import RULES, Propagation, Refusal, clone_op, leaf_kind, propagate
+from grappler_ext.splitter.rules import RULES, Propagation, Refusal, clone_op, leaf_kind, propagate
 
 F32, F64, I32, BOOL = tf.float32, tf.float64, tf.int32, tf.bool
 FRACTIONS = (0.0, 0.5, 1.0)  # offsets s = fraction * (n - c): first, middle and last chunk

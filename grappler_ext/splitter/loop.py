@@ -1,7 +1,7 @@
 """The splitter's mechanism: build a region's loop over slices, with its gradient.
 
 Given a :class:`Region` (which ops, along which axis each tensor is split, what enters sliced and
-what enters whole), a chunk size and a :class:`~grappler_ext.combiners.Combiner`, this module
+what enters whole), a chunk size and a :class:`~grappler_ext.splitter.combiners.Combiner`, this module
 builds, in the region's graph:
 
     outputs = custom_gradient(forward, backward)(*external inputs)
@@ -42,10 +42,11 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from grappler_ext import folding
-from grappler_ext.combiners import Combiner, join_slices
-from grappler_ext.split_rules import clone_op
+from grappler_ext.splitter.combiners import Combiner
+from grappler_ext.splitter.rules import clone_op
+from grappler_ext.splitter.slicing import dynamic_slice, join_slices
 
-__all__ = ["Region", "build_split", "forward_program", "dynamic_slice"]
+__all__ = ["Region", "build_split", "forward_program", "external_inputs"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -58,7 +59,7 @@ class Region:
       ops: the region's ops in topological order (the root excluded).
       input_axes: for each op, the axis each input is read sliced along, ``None`` for "whole".
       rebuild: for each op, ``fn(op, new_inputs, chunk, offset) -> new outputs`` (its split rule's
-        :meth:`~grappler_ext.split_rules.Propagation.build`).
+        :meth:`~grappler_ext.splitter.rules.Propagation.build`).
       sliced_inputs: tensors from outside the region read sliced: ``{tensor.ref(): axis}``.
       whole_inputs: tensors from outside the region read whole (``tensor.ref()``s); a tensor may be
         read both ways (``x @ x^T`` split by rows reads ``x`` sliced and whole).
@@ -78,15 +79,6 @@ class Region:
     length: int
     root_partial: Callable[..., list[tf.Tensor]]
     prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
-
-
-def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
-    """``t[.., offset:offset + size, ..]`` along ``axis``, with a static result shape."""
-    shape = t.shape.as_list()
-    begin = tf.one_hot(axis, len(shape), on_value=tf.cast(offset, tf.int32), off_value=0, dtype=tf.int32)
-    sizes = list(shape)
-    sizes[axis] = size
-    return tf.slice(t, begin, sizes)
 
 
 def _inline_constant(t: tf.Tensor):

@@ -49,6 +49,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from grappler_ext.splitter.slicing import dynamic_slice, join_slices
+
 __all__ = ["join_slices", "value_at", "tie_count", "softmax_partials", "Combiner", "Concat", "Sum", "Mean", "Reduce",
            "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
            "combiner_for_reduction", "REDUCTION_COMBINERS"]
@@ -79,21 +81,6 @@ class Combiner(abc.ABC):
         raise NotImplementedError(f"the `{self.name}` combiner has no gradient")
 
 
-def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None) -> tf.Tensor:
-    """Join the slices written to ``array`` (each ``[.., c, ..]``, ``c`` at ``axis``) and ``tail``.
-
-    ``stack`` gives ``[S, .., c, ..]``; moving ``S`` next to the split axis and merging the two
-    axes gives the slices in order along ``axis``; the remainder slice is appended.
-    """
-    stacked = array.stack()                                             # [S, d0, .., c, ..]
-    shape = stacked.shape.as_list()
-    rank = len(shape) - 1
-    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank + 1))
-    moved = tf.transpose(stacked, perm) if axis else stacked             # [d0, .., S, c, ..]
-    out = tf.reshape(moved, shape[1:axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2:])
-    return out if tail is None else tf.concat([out, tail], axis=axis)
-
-
 class Concat(Combiner):
     """Partials are slices of the outputs along ``axes[i]``: written in order, then joined.
 
@@ -118,8 +105,6 @@ class Concat(Combiner):
                 for i, ta in enumerate(carry)]
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
-        from grappler_ext.split_loop import dynamic_slice
-
         return [None if up is None else dynamic_slice(up, self.axes[i], offset, chunk)
                 for i, up in enumerate(upstream)]
 

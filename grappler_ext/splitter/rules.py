@@ -1,4 +1,4 @@
-"""split_rules: how a split axis passes through one op, one rule per TF op type.
+"""splitter.rules: how a split axis passes through one op, one rule per TF op type.
 
     out_k[.., s:s+c, ..]  =  op(x_0 sliced or whole, x_1 sliced or whole, ..)[k]
 

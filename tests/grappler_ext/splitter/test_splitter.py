@@ -5,19 +5,20 @@ into slices of at most a few hundred rows.  Every footprint below is XLA's own "
 of the compiled program (forward and backward separately when the tape is outside).
 """
 
-import re
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_memsafe
-from grappler_ext.chunk_plan import ChunkPlan
+from grappler_ext import memory_model
+from grappler_ext.graph_query import ancestors, live_ops
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
-from grappler_ext.splitter import REPLAN_MARGIN, WHOLE_PROGRAM_MARGIN, Splitter
-from grappler_ext.verifier import live_ops
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, analysis, chunk_plan, mechanism, policy
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from tests.fakes import FakeMeasurer, raises
 from tf_memsafe import hook
+from tf_memsafe.memory import MeasurementError, XlaMeasurer
 
 LIMIT = 16 * 10**6
 RNG = np.random.default_rng(0)
@@ -79,8 +80,8 @@ def kernel_matvec(x, y, v):
     return k @ v                                                               # [N, P]
 
 
-def splitter_only():
-    return hook.use_pipeline(Pipeline([Splitter()]))
+def splitter_only(measurer=None):
+    return hook.use_pipeline(Pipeline([Splitter(measurer or XlaMeasurer())]))
 
 
 def rewrites():
@@ -177,10 +178,7 @@ def test_the_remainder_slice_runs_after_the_loop(monkeypatch):
     offset is read from the loop's counter: with a constant offset XLA's scheduler was free to
     compute the remainder first and hold its tensors while the loop ran (seen in a Transformer's
     training step: two slices' worth at the peak)."""
-    import grappler_ext.splitter as splitter_module
-    from grappler_ext import graph_edit
-
-    monkeypatch.setattr(splitter_module, "plan_chunks",
+    monkeypatch.setattr(chunk_plan, "plan_chunks",
                         lambda length, per_unit, fixed, budget: ChunkPlan(length, 300, int(fixed + 300 * per_unit)))
     x, y, v = points(1000, 3, tf.float64), points(800, 3, tf.float64, seed=1), points(800, 2, tf.float64, seed=2)
     expected = tf.function(kernel_matvec, jit_compile=True)(x, y, v)
@@ -190,14 +188,15 @@ def test_the_remainder_slice_runs_after_the_loop(monkeypatch):
         got = fn(x, y, v)
         graph = fn.get_concrete_function(x, y, v).graph
     (record,) = rewrites()
-    assert any(plan in record.reason for plan in (" x 300 + 100 of 1000", " x 300 + 200 of 800")), record.reason
+    plan = record.plan
+    assert (plan.chunk, plan.tail, plan.length) in ((300, 100, 1000), (300, 200, 800)), record.reason
     live = live_ops(graph)            # (XLA's figure is over this tiny limit: plans undone stay, unreachable)
     loops = [op for op in live if op.type in ("While", "StatelessWhile")]
     tail = [op for op in live if op.type == "Slice" and op.name.startswith("tf_memsafe/splitter")
             and op.outputs[0].shape.rank == 2]                                  # not the anchor's scalar
     assert len(loops) == 1 and tail
     for op in tail:
-        assert loops[0] in graph_edit.ancestors(list(op.inputs)), op.name
+        assert loops[0] in ancestors(list(op.inputs)), op.name
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
@@ -205,10 +204,8 @@ def test_two_readers_reducing_the_same_axis_share_one_loop(monkeypatch):
     """K [N, M] read by a column sum and by K^T w, both reducing N: one loop, two sum combiners
     (SGPR's A A^T and A err have this shape).  N = 4000, M = 3000 f64: K is 96 MB.  (Only
     reductions are offered: slices of M, each result joined, would do as well here.)"""
-    import grappler_ext.splitter as splitter_module
-
-    offered = splitter_module._root_options
-    monkeypatch.setattr(splitter_module, "_root_options",
+    offered = analysis.root_options
+    monkeypatch.setattr(analysis, "root_options",
                         lambda root: [o for o in offered(root) if o.kind != "concat"])
     x, y = points(4000, 3, tf.float64), points(3000, 3, tf.float64, seed=1)
     w = points(4000, 2, tf.float64, seed=2)
@@ -264,7 +261,7 @@ def test_outputs_that_keep_the_split_axis_end_one_shared_loop():
     with splitter_only():
         got, got_grads = grads()
         after = tf_memsafe.memory_footprint(predict, z, x, c)
-    reasons = {r.reason.split(":")[0] for r in rewrites()}
+    reasons = {r.plan.describe() for r in rewrites()}
     assert reasons == {"`MatMul` concat over input 0 axis 0 and `Sub` concat"}, reasons
     assert all((r.bytes_before or 0) < 10**6 for r in skips())   # only [M, M] Kzz, too small to split
     for g, e in zip(got + tuple(got_grads), expected + tuple(expected_grads)):
@@ -302,7 +299,7 @@ def test_the_test_points_side_of_a_predictive_density_is_one_loop():
     with splitter_only():
         got = tf.function(sgpr_log_density, jit_compile=True)(*args)
         after = tf_memsafe.memory_footprint(sgpr_log_density, *args)
-    reasons = sorted({r.reason.split(":")[0] for r in rewrites()})
+    reasons = sorted({r.plan.describe() for r in rewrites()})
     assert reasons == ["`AddV2` concat over input 0 axis 0, input 1 axis 0",
                        "`MatMul` sum over input 0 axis 1, input 1 axis 1 and `MatMul` sum"], reasons
     np.testing.assert_allclose(got, expected, rtol=1e-9)
@@ -313,10 +310,8 @@ def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
     """Column max and min of a [3000, 2000] f64 matrix (48 MB) whose entries tie often (rounded
     inputs): the split keeps the tie counts, so each tied element gets dy / T as unsplit.  (Only
     the row split is offered: slices of the columns, joined, would need no tie counts.)"""
-    import grappler_ext.splitter as splitter_module
-
-    offered = splitter_module._root_options
-    monkeypatch.setattr(splitter_module, "_root_options",
+    offered = analysis.root_options
+    monkeypatch.setattr(analysis, "root_options",
                         lambda root: [o for o in offered(root) if o.kind != "concat"])
     x = tf.constant(np.round(np.random.default_rng(0).standard_normal((3000, 3)), 1))
     y = tf.constant(np.round(np.random.default_rng(1).standard_normal((2000, 3)), 1))
@@ -347,10 +342,8 @@ def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     """softmax(q k^T / 8) v with 64 queries and 20000 keys: scores [64, 20000] f64 = 10 MB.  Here
     only the key split is offered (row splits, which the planner prefers here, are withheld), so
     the loop runs over slices of the keys with the running max and normaliser."""
-    import grappler_ext.splitter as splitter_module
-
-    offered = splitter_module._root_options
-    monkeypatch.setattr(splitter_module, "_root_options",
+    offered = analysis.root_options
+    monkeypatch.setattr(analysis, "root_options",
                         lambda root: [o for o in offered(root) if o.kind != "concat"])
     q, k, v = (points(n, 32, tf.float64, seed=s) for n, s in ((64, 0), (20000, 1), (20000, 2)))
 
@@ -370,7 +363,7 @@ def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     with splitter_only():
         got, got_grads = grads()
         after = tf_memsafe.memory_footprint(cross_attention, q, k, v)
-    described = {r.reason.split(":")[0] for r in rewrites()}
+    described = {r.plan.describe() for r in rewrites()}
     assert described == {"`MatMul` online_softmax over input 0 axis 1, input 1 axis 0"}
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
     for g, e in zip(got_grads, expected_grads):
@@ -426,17 +419,16 @@ class TestChunksFromXlasFigure:
 
     x, y = points(4000, 64), points(4000, 64, seed=1)
 
-    def split(self, **options):
+    def split(self, measurer=None, **options):
         tf_memsafe.enable(LIMIT, strict=True, **options)
         mark = hook.report_mark()
-        with hook.use_pipeline(default_pipeline()):
+        with hook.use_pipeline(default_pipeline({"splitter": Splitter(measurer or XlaMeasurer())})):
             got = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
             after = tf_memsafe.memory_footprint(knn_l2, self.x, self.y)
         (record,) = [r for rep in hook.reports_since(mark) for r in rep.records
                      if r.pass_name == "splitter" and r.action == "rewritten"][:1]
-        steps, chunk = map(int, re.search(r"(\d+) x (\d+)", record.reason).groups())
         tf_memsafe.disable()
-        return got, after, record.reason, steps
+        return got, after, record.reason, record.plan.steps
 
     def test_larger_chunks_still_within_the_limit(self):
         expected = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
@@ -447,15 +439,9 @@ class TestChunksFromXlasFigure:
         assert steps < steps_model and after_model < after <= LIMIT, (reason, reason_model, after, after_model)
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
-    def test_a_failed_measurement_keeps_the_models_chunk_and_says_so(self, monkeypatch):
-        from tf_memsafe import memory
-
-        def fail(*args):
-            raise memory.MeasurementError("no report")
-
-        monkeypatch.setattr(memory, "compiled_bytes", fail)
+    def test_a_failed_measurement_keeps_the_models_chunk_and_says_so(self):
         expected = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
-        got, after, reason, steps = self.split()
+        got, after, reason, steps = self.split(FakeMeasurer(function=raises(MeasurementError("no report"))))
         assert "chunk from the memory model (measuring the loop failed: MeasurementError)" in reason
         assert steps == self.split(calibrate_chunks=False)[3] and after <= LIMIT
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
@@ -463,7 +449,7 @@ class TestChunksFromXlasFigure:
     def test_a_loop_that_is_the_program_fills_the_limit(self):
         """L1 kNN of 2000 queries among 20000 points at d = 3 under 16 MB: the inputs are 0.3 MB and
         the loop over points is all the program holds, so its chunk is sized from XLA's figure up to
-        WHOLE_PROGRAM_MARGIN of the limit (checked by compiling at that chunk), as a person sizing the
+        Tuning.whole_program_margin of the limit (checked by compiling at that chunk), as a person sizing the
         loop by hand would, not at the half of it the program-wide margins leave."""
         q, p = points(2000, 3), points(20000, 3, seed=1)
 
@@ -473,7 +459,7 @@ class TestChunksFromXlasFigure:
         expected = tf.function(knn_l1, jit_compile=True)(q, p)
         tf_memsafe.enable(LIMIT, strict=True)
         mark = hook.report_mark()
-        with hook.use_pipeline(default_pipeline()):
+        with hook.use_pipeline(default_pipeline({"splitter": Splitter(XlaMeasurer())})):
             got = tf.function(knn_l1, jit_compile=True)(q, p)
             after = tf_memsafe.memory_footprint(knn_l1, q, p)
         records = {r.reason for rep in hook.reports_since(mark) for r in rep.records
@@ -481,20 +467,20 @@ class TestChunksFromXlasFigure:
         tf_memsafe.disable()
         (reason,) = records                                  # the call's trace and the measurement's: one plan
         assert "which is the program" in reason, reason
-        assert 0.8 * LIMIT < after <= WHOLE_PROGRAM_MARGIN * LIMIT, (after, reason)
+        assert 0.8 * LIMIT < after <= DEFAULT_TUNING.whole_program_margin * LIMIT, (after, reason)
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
 
 class TestProgramsCheckedWithXla:
-    """Attention over 1000 queries: the memory model counts 8.8 MB, between CHECK_FROM and
-    MODEL_TRUST of 16 MB, so the program is compiled whole (never run) before it is left alone."""
+    """Attention over 1000 queries: the memory model counts 8.8 MB, between Tuning.check_from and
+    model_trust of 16 MB, so the program is compiled whole (never run) before it is left alone."""
 
     specs = (tf.TensorSpec([1000, 64]),) * 3
 
-    def trace(self, **options):
+    def trace(self, measurer=None, **options):
         hook.clear_reports()
         tf_memsafe.enable(LIMIT, strict=True, **options)
-        with splitter_only():
+        with splitter_only(measurer):
             graph = tf.function(attention, jit_compile=True).get_concrete_function(*self.specs).graph
         tf_memsafe.disable()
         return graph, [r.reason for r in skips()], rewrites()
@@ -506,15 +492,14 @@ class TestProgramsCheckedWithXla:
         assert format_graph(graph) == plain and done == []
         assert reason.startswith("already within the limit") and f"(memory model; XLA's figure {figure:,} B)" in reason
 
-    def test_over_by_xlas_figure_is_split_against_the_scaled_limit(self, monkeypatch):
-        from tf_memsafe import memory
-
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: 2 * LIMIT)   # as if XLA needed twice the limit
+    def test_over_by_xlas_figure_is_split_against_the_scaled_limit(self):
+        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)               # as if XLA needed twice the limit
         q, k, v = (points(1000, 64, seed=s) for s in range(3))
         expected = tf.function(attention, jit_compile=True)(q, k, v)
-        graph, reasons, done = self.trace()
+        graph, reasons, done = self.trace(twice)
         (checked,) = [r for r in reasons if "XLA's figure for the program as written" in r]
-        model = int(re.search(r"model's ([\d,]+) B", checked).group(1).replace(",", ""))
+        model = memory_model.estimate(tf.function(attention, jit_compile=True).get_concrete_function(
+            *self.specs).graph).peak_bytes
         assert f"is {2 * LIMIT:,} B: planned against {LIMIT * model // (2 * LIMIT):,} B" in checked
         assert len(done) == 1
         tf_memsafe.enable(LIMIT, strict=True)
@@ -522,62 +507,47 @@ class TestProgramsCheckedWithXla:
             got = tf.function(attention, jit_compile=True)(q, k, v)
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 
-    def test_off_or_failed_the_models_word_stands(self, monkeypatch):
-        from tf_memsafe import memory
-
-        calls = []
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: calls.append(graph) or 2 * LIMIT)
-        _, (reason,), done = self.trace(check_programs=False)
-        assert calls == [] and done == [] and reason.endswith("(memory model)")
-
-        def fail(graph):
-            raise memory.MeasurementError("no report")
-
-        monkeypatch.setattr(memory, "graph_bytes", fail)
-        _, (reason,), done = self.trace()
+    def test_off_or_failed_the_models_word_stands(self):
+        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)
+        _, (reason,), done = self.trace(twice, check_programs=False)
+        assert twice.calls == [] and done == [] and reason.endswith("(memory model)")
+        _, (reason,), done = self.trace(FakeMeasurer(program=raises(MeasurementError("no report"))))
         assert done == [] and "(memory model; not checked with XLA: MeasurementError: no report)" in reason
 
-    def test_after_a_split_the_models_word_is_checked_too(self, monkeypatch):
+    def test_after_a_split_the_models_word_is_checked_too(self):
         """Two attentions, over 1300 and 1000 queries: the model counts the program within the limit
         once the larger is split; if XLA's figure says otherwise, the other is split as well."""
-        from tf_memsafe import memory
-
-        def splits():
-            _, reasons = self.trace_two()
+        def splits(measurer=None):
+            _, reasons = self.trace_two(measurer)
             return len(rewrites()), reasons
 
         trusted, _ = splits()
         assert trusted == 1
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: 2 * LIMIT)
         # Still over by XLA's figure with both split, and no better with smaller chunks: the first
         # plan again, and the user is told.
         with pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as split, over its limit of 16\.0 MB"):
-            checked, reasons = splits()
+            checked, reasons = splits(FakeMeasurer(program=lambda graph: 2 * LIMIT))
         assert checked == 2 and any(r.startswith("with 1 loop the memory model counts") and
                                     f"XLA's figure is {2 * LIMIT:,} B" in r for r in reasons), reasons
         assert f"no better: planned against {LIMIT:,} B again" in " ".join(reasons), reasons
         assert f"XLA's figure as split is {2 * LIMIT:,} B, over the limit of {LIMIT:,} B, with nothing left to " \
                "split" in reasons, reasons
 
-    def test_a_split_over_by_xlas_figure_is_planned_again_with_smaller_chunks(self, monkeypatch):
+    def test_a_split_over_by_xlas_figure_is_planned_again_with_smaller_chunks(self):
         """XLA's figure for the first plan is over the limit (faked: twice it, at both checks), within
         it afterwards: the first plan's loops are undone and the program split again against the
         limit scaled by limit / figure, in smaller chunks, computing what it computed."""
-        from tf_memsafe import memory
-
         def chunks(records):
-            return sorted(int(re.search(r"(\d+) x (\d+)", r.reason).group(2)) for r in records)
+            return sorted(r.plan.chunk for r in records)
 
         inputs = [points(n, 64, seed=s) for s, n in enumerate((1300,) * 3 + (1000,) * 3)]
         expected = tf.function(two_attentions, jit_compile=True)(*inputs)
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: 2 * LIMIT)
         with pytest.warns(RuntimeWarning):
-            self.trace_two()
+            self.trace_two(FakeMeasurer(program=lambda graph: 2 * LIMIT))
         first = chunks(rewrites())
         figures = iter([2 * LIMIT, 2 * LIMIT])
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: next(figures, LIMIT // 2))
-        graph, reasons = self.trace_two()
-        lower = int(LIMIT * LIMIT / (2 * LIMIT) * REPLAN_MARGIN)
+        graph, reasons = self.trace_two(FakeMeasurer(program=lambda graph: next(figures, LIMIT // 2)))
+        lower = int(LIMIT * LIMIT / (2 * LIMIT) * DEFAULT_TUNING.replan_margin)
         assert f"planned against {LIMIT:,} B, with 2 loops XLA's figure is {2 * LIMIT:,} B, over the limit of " \
                f"{LIMIT:,} B: planned again against {lower:,} B" in reasons, reasons
         again = chunks(rewrites())
@@ -586,28 +556,25 @@ class TestProgramsCheckedWithXla:
         assert len(loops) == 2                       # the first plan's loops are unreachable
         tf_memsafe.enable(LIMIT, strict=True)
         figures = iter([2 * LIMIT, 2 * LIMIT])
-        with splitter_only():
+        with splitter_only(FakeMeasurer(program=lambda graph: next(figures, LIMIT // 2))):
             got = tf.function(two_attentions, jit_compile=True)(*inputs)
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
 
-    def trace_two(self):
+    def trace_two(self, measurer=None):
         hook.clear_reports()
         tf_memsafe.enable(LIMIT, strict=True)
-        with splitter_only():
+        with splitter_only(measurer):
             graph = tf.function(two_attentions, jit_compile=True).get_concrete_function(*TWO_SPECS).graph
         tf_memsafe.disable()
         return graph, [r.reason for r in skips()]
 
-    def test_far_below_the_limit_is_not_compiled(self, monkeypatch):
-        from tf_memsafe import memory
-
-        calls = []
-        monkeypatch.setattr(memory, "graph_bytes", lambda graph: calls.append(graph) or 2 * LIMIT)
+    def test_far_below_the_limit_is_not_compiled(self):
+        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)
         tf_memsafe.enable(LIMIT, strict=True)
-        with splitter_only():
+        with splitter_only(twice):
             tf.function(knn_l2, jit_compile=True).get_concrete_function(tf.TensorSpec([300, 3]),
                                                                         tf.TensorSpec([400, 3]))
-        assert calls == [] and [r.reason for r in skips()][0].endswith("(memory model)")
+        assert twice.calls == [] and [r.reason for r in skips()][0].endswith("(memory model)")
 
 
 def test_impossible_limit_gets_the_best_effort_and_a_warning():
@@ -622,7 +589,7 @@ def test_impossible_limit_gets_the_best_effort_and_a_warning():
     with splitter_only(), pytest.warns(RuntimeWarning):
         before = tf_memsafe.memory_footprint(attention, q, k, v, rewrite=False)
         after = tf_memsafe.memory_footprint(attention, q, k, v)
-    assert all("best effort, the limit cannot be met" in r.reason for r in rewrites())
+    assert all(r.code == Code.BEST_EFFORT and "best effort, the limit cannot be met" in r.reason for r in rewrites())
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
     assert after < before / 5
 
@@ -635,23 +602,25 @@ class TestMustNotFire:
             g = tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph
         assert format_graph(g) == plain
         assert rewrites() == []
+        self.codes = [r.code for r in skips()]
         return [r.reason for r in skips()]
 
     def test_already_within_the_limit(self):
         (reason,) = self.unchanged(knn_l2, tf.TensorSpec([300, 3]), tf.TensorSpec([400, 3]))
-        assert reason.startswith("already within the limit")
+        assert self.codes == [Code.WITHIN_LIMIT] and reason.startswith("already within the limit")
 
     def test_argmin_assignment_fuses_and_fits(self):
         """argmin of a [20000, 1000] distance: XLA fuses the producers (under 1 MB), nothing to split."""
         fn = lambda x, y: tf.argmin(sq_dist(x, y), axis=1)
         (reason,) = self.unchanged(fn, tf.TensorSpec([20000, 3]), tf.TensorSpec([1000, 3]))
-        assert reason.startswith("already within the limit")
+        assert self.codes == [Code.WITHIN_LIMIT] and reason.startswith("already within the limit")
 
     def test_huge_cholesky_warns_with_the_numbers_and_the_op(self):
         fn = lambda x: tf.linalg.cholesky(tf.exp(-sq_dist(x, x)) + 1e-3 * tf.eye(3000))
         with pytest.warns(RuntimeWarning, match=r"needs about 84\.1 MB .* over its limit of 16\.0 MB.*`Cholesky`"):
             reasons = self.unchanged(fn, tf.TensorSpec([3000, 3]))
         assert any("cannot split through `Cholesky`: no rule" in r for r in reasons), reasons
+        assert Code.REFUSED_OP in self.codes, self.codes
 
     def test_a_loop_that_would_only_write_its_result_is_refused(self):
         """Three products returned whole, [1500, 1000] f32 = 6 MB each, 18 MB over a 16 MB limit: a
@@ -661,7 +630,7 @@ class TestMustNotFire:
             return tuple(tf.matmul(x * s, y, transpose_b=True) for s in (1.0, 2.0, 3.0))  # [N, M] each
         with pytest.warns(RuntimeWarning, match="over its limit of 16.0 MB"):
             reasons = self.unchanged(fn, tf.TensorSpec([1500, 8]), tf.TensorSpec([1000, 8]))
-        assert any("saves too little" in r for r in reasons), reasons
+        assert any("saves too little" in r for r in reasons) and Code.SAVES_TOO_LITTLE in self.codes, reasons
 
     def test_random_op_is_never_moved_into_a_loop(self):
         fn = lambda x, y: tf.math.top_k(tf.random.uniform([4000, 4000]) - sq_dist(x, y), k=3).indices
@@ -674,11 +643,13 @@ class TestMustNotFire:
         largest tensor (4 MB) with the inputs is within 16 MB, so nothing is split on a guess."""
         fn = lambda x: tf.reduce_sum(tf.exp(x @ tf.transpose(x))) + tf.linalg.det(x[:3, :3] + tf.eye(3))
         (reason,) = self.unchanged(fn, tf.TensorSpec([1000, 3]))
-        assert reason.startswith("the memory model cannot estimate it") and "MatrixDeterminant" in reason
+        assert self.codes == [Code.NO_ESTIMATE] and reason.startswith("the memory model cannot estimate it")
+        assert "MatrixDeterminant" in reason
 
     def test_dynamic_shapes(self):
         (reason,) = self.unchanged(knn_l2, tf.TensorSpec([None, 3]), tf.TensorSpec([4000, 3]))
-        assert reason.startswith("dynamic shapes") and "input_signature" in reason
+        assert self.codes == [Code.DYNAMIC_SHAPES] and reason.startswith("dynamic shapes")
+        assert "input_signature" in reason
 
 
 
@@ -714,9 +685,7 @@ class TestRandomDrawsRedrawn:
         assert not np.array_equal(first, second)                    # and calls
 
     def test_a_slices_gradient_recomputes_the_mask_its_forward_drew(self, monkeypatch):
-        from grappler_ext import splitter
-
-        monkeypatch.setattr(splitter, "call_seed", lambda: tf.constant([3, 5], tf.int64))
+        monkeypatch.setattr(mechanism, "call_seed", lambda: tf.constant([3, 5], tf.int64))
         rng = np.random.default_rng(0)
         x = tf.constant(rng.standard_normal((self.L, self.D)))
         weights = [tf.Variable(rng.standard_normal((self.D, self.D)) / 4) for _ in range(3)]
@@ -751,7 +720,7 @@ def test_idempotent():
         g = tf.function(knn_l2, jit_compile=True).get_concrete_function(
             tf.TensorSpec([4000, 3]), tf.TensorSpec([4000, 3])).graph
     once = format_graph(g)
-    result = Pipeline([Splitter()]).run(g, tf_memsafe.get_options().__class__(memory_limit_bytes=LIMIT,
+    result = Pipeline([Splitter(XlaMeasurer())]).run(g, tf_memsafe.get_options().__class__(memory_limit_bytes=LIMIT,
                                                                               memory_limit_fraction=None))
     assert not result.changed
     assert format_graph(g) == once
@@ -760,13 +729,11 @@ def test_idempotent():
 
 def test_slices_with_gradients_inside_take_at_most_a_share_of_the_limit():
     """A Transformer training step's attention at L = 4096 under 2 GB: XLA's figure of 262 kB a row
-    (374 kB with the calibration margin) planned halves of 2048 rows; capped at SLICE_SHARE of the
+    (374 kB with the calibration margin) planned halves of 2048 rows; capped at Tuning.slice_share of the
     limit, eighths of 512 (no remainder).  A slice already within the share is left as planned."""
-    from grappler_ext.splitter import SLICE_SHARE, _capped
-
     plan = ChunkPlan(4096, 2048, 10**9)
-    capped = _capped(plan, 374_000, 2 * 10**9)
+    capped = policy.capped(plan, 374_000, 2 * 10**9, DEFAULT_TUNING)
     assert (capped.chunk, capped.steps, capped.tail) == (512, 8, 0)
-    assert capped.chunk * 374_000 <= SLICE_SHARE * 2 * 10**9
+    assert capped.chunk * 374_000 <= DEFAULT_TUNING.slice_share * 2 * 10**9
     assert capped.predicted_bytes == 10**9 - (2048 - 512) * 374_000
-    assert _capped(plan, 100_000, 2 * 10**9) is plan
+    assert policy.capped(plan, 100_000, 2 * 10**9, DEFAULT_TUNING) is plan

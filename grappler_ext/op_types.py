@@ -1,0 +1,39 @@
+"""The vocabulary every pass and analysis shares: op-type sets and the one byte count of a tensor.
+
+A set named here means the same thing everywhere it is read; a module that needs a narrower set
+(the reductions XLA:CPU's YNN kernels take) builds it from these, next to the fact it encodes.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
+           "PASS_THROUGH", "SHAPE_READERS", "nbytes", "static_shape_reader"]
+
+# Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
+MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# Reductions with a reduction-indices operand (input 1) whose result is the reduced tensor.
+REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"})
+ARG_REDUCTIONS = frozenset({"ArgMax", "ArgMin"})
+# Control flow: loops, branches and calls, whose bodies are functions of the graph.
+LOOP_TYPES = frozenset({"While", "StatelessWhile"})
+BRANCH_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
+CALL_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# Ops a pass never copies op by op (their bodies would have to be copied too).
+NOT_CLONED = LOOP_TYPES | BRANCH_TYPES | CALL_TYPES
+# Ops that only pass a value on: a report names the op before them.
+PASS_THROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims"})
+# Ops that read only their input's shape.
+SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def nbytes(t: tf.Tensor) -> int:
+    """The bytes of ``t``'s value: elements times the dtype's size; 0 when its shape is not static."""
+    return t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else 0
+
+
+def static_shape_reader(op: tf.Operation) -> bool:
+    """A ``Shape``-like op of static shapes: it reads no values (TF's own ops insert them, e.g.
+    ``reduce_logsumexp``), and its result is a constant."""
+    return op.type in SHAPE_READERS and all(t.shape.is_fully_defined() for t in op.inputs)

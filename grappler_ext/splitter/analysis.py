@@ -1,0 +1,433 @@
+"""Region analysis: which ops can end a loop (roots), how far a region grows from them, and why it stops.
+
+    root r split along a  =>  region(r) = the ops carrying the split axis up from r, every reader inside
+
+Nothing here changes the graph: each function reads ops and returns values (a root's ways of
+splitting, a grown region or the reason it cannot be, a prologue, the model's count of the
+program as rewritten).  Policy (:mod:`.policy`) ranks and sizes what this finds; mechanism
+(:mod:`.mechanism`) builds it.
+
+A region holds the ops that carry the split axis down to the root and whose every reader is in
+the region; it stops at graph inputs, variable reads and constants (sliced there), at ops read
+whole by the region or read by anything outside it (their full value exists anyway, so they are
+sliced, not recomputed), at stateful ops (random draws only with ``Options.redraw_random``), and at
+ops with no rule (:mod:`.rules` names them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import tensor_util
+
+from grappler_ext import folding, graph_edit, memory_model
+from grappler_ext.graph_query import ancestors
+from grappler_ext.op_types import (
+    ARG_REDUCTIONS,
+    BRANCH_TYPES,
+    LOOP_TYPES,
+    MATMULS,
+    NOT_CLONED,
+    PASS_THROUGH,
+    REDUCTIONS,
+    nbytes,
+    static_shape_reader,
+)
+from grappler_ext.splitter import rules
+from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
+from grappler_ext.splitter.loop import Region, external_inputs
+from grappler_ext.splitter.outcome import Code, RootSplit, Why
+
+__all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "prologue", "downstream", "const_axes",
+           "joined_bytes", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
+
+_ARG = {"ArgMax": "max", "ArgMin": "min"}
+
+
+def const_axes(t: tf.Tensor, rank: int) -> list[int] | None:
+    """The constant axes ``t`` holds, normalised to ``[0, rank)`` and sorted; ``None`` if not constant."""
+    value = folding.static_value(t)
+    if value is None:
+        return None
+    return sorted({int(a) % rank for a in np.asarray(value).reshape(-1)})
+
+
+def computed(op: tf.Operation) -> tf.Operation:
+    """The op that computes what ``op`` passes on (an output's ``Identity``), for the reports."""
+    while op.type in PASS_THROUGH and op.inputs:
+        op = op.inputs[0].op
+    return op
+
+
+@dataclasses.dataclass
+class RootOption:
+    """One way to split a root: the axis each root input is read along, and how partials combine."""
+
+    root: tf.Operation
+    kind: str                           # "concat", "sum", "mean", "max", ..., "argmax", "top_k"
+    input_axes: tuple[int | None, ...]
+    output_axes: tuple[int | None, ...] = ()
+    propagation: rules.Propagation | None = None
+    # online_softmax: the region is grown from these (tensor, axis) instead of the root's inputs,
+    # and these ops (the Softmax) are computed inside the root's partial.
+    requests: tuple = ()
+    absorbed: tuple = ()
+
+    @property
+    def split(self) -> RootSplit:
+        return RootSplit(self.root.name, computed(self.root).type, self.kind, tuple(self.input_axes))
+
+    def describe(self) -> str:
+        """One line: the op the region ends in, the combiner and the split axis."""
+        return self.split.describe()
+
+
+def root_options(root: tf.Operation) -> list[RootOption]:
+    """Every way ``root`` can end a loop: an axis of its output (joined), a reduced axis (folded),
+    the top-k axis, a matmul's contracting axis, and softmax(S) @ V over slices of the keys."""
+    options = []
+    out0 = root.outputs[0] if root.outputs else None
+    if out0 is not None and out0.shape.rank:
+        for axis in range(out0.shape.rank):
+            prop = rules.propagate(root, 0, axis)
+            if prop:
+                options.append(RootOption(root, "concat", prop.input_axes, prop.output_axes, prop))
+    if not root.inputs or not root.inputs[0].shape.is_fully_defined():
+        return options
+    rank = root.inputs[0].shape.rank
+    if root.type in REDUCTIONS or root.type in ARG_REDUCTIONS:
+        axes = const_axes(root.inputs[1], rank)
+        kind = _ARG.get(root.type)
+        if root.type == "Mean" and not root.outputs[0].dtype.is_floating:
+            axes = ()  # truncated slice means do not give the truncated mean of the whole
+        for a in axes or ():
+            options.append(RootOption(root, f"arg{kind}" if kind else REDUCTION_COMBINERS[root.type], (a, None)))
+    elif root.type == "TopKV2":
+        options.append(RootOption(root, "top_k", (rank - 1, None)))
+    elif root.type in MATMULS and root.type != "BatchMatMul" and len(root.inputs) == 2:
+        b_rank = root.inputs[1].shape.rank
+        if root.type == "MatMul":
+            ta, tb = root.get_attr("transpose_a"), root.get_attr("transpose_b")
+        else:
+            ta, tb = root.get_attr("adj_x"), root.get_attr("adj_y")
+        a_axis = rank - 2 if ta else rank - 1
+        b_axis = b_rank - 1 if tb else b_rank - 2
+        options.append(RootOption(root, "sum", (a_axis, b_axis)))
+        probs = root.inputs[0]
+        # softmax(S) @ V over slices of the keys: S's last axis is the contracting axis.
+        if (probs.op.type == "Softmax" and not ta and probs.consumers() == [root]
+                and probs.dtype.is_floating and probs.op.inputs[0].shape.is_fully_defined()):
+            options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
+                                      requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
+                                      absorbed=(probs.op,)))
+    return options
+
+
+@dataclasses.dataclass
+class Grown:
+    """A region grown from its roots: the region, every op it takes in (roots included) and why it
+    stopped where it did, largest stopping tensor first."""
+
+    region: Region
+    included: set
+    stops: list[Why]
+
+
+def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
+         ignored: frozenset = frozenset(), reseed: rules.Reseed | None = None) -> Grown | Why:
+    """The region for ``options`` (one or more roots split together): ops carrying the split axis
+    whose readers are all in the region; random draws in it drawn again by slice, keyed by
+    ``reseed``, if given (``Options.redraw_random``).  Readers in ``ignored`` (the gradients inside
+    the function, rebuilt after a split) do not hold an op back."""
+    roots = {o.root for o in options} | {op for o in options for op in o.absorbed}
+    requests: dict = {}            # (op, output index) -> set of axes it is read sliced along
+    whole: set = set()             # tensor refs read whole
+    heap: list = []
+    queued: set = set()
+    included: set = set(roots)
+    input_axes: dict = {}
+    rebuild: dict = {}
+    sliced_inputs: dict = {}
+    stops: list = []
+    length = None
+
+    def request(t: tf.Tensor, axis: int | None):
+        if axis is None:
+            whole.add(t.ref())
+            return
+        requests.setdefault((t.op, t.value_index), set()).add(axis)
+        if t.op not in queued:
+            queued.add(t.op)
+            heapq.heappush(heap, (-order_index.get(t.op, -1), id(t.op), t.op))
+
+    for option in options:
+        for t, a in option.requests or zip(option.root.inputs, option.input_axes):
+            request(t, a)
+    while heap:
+        _, _, op = heapq.heappop(heap)
+        wanted = {k: axes for (o, k), axes in requests.items() if o is op}
+        for k, axes in wanted.items():
+            if len(axes) > 1:
+                return Why(Code.REGION_CONFLICT, f"`{op.name}` output {k} is needed along axes {sorted(axes)}")
+            axis = next(iter(axes))
+            dim = op.outputs[k].shape[axis]
+            if length is None:
+                length = dim
+            elif dim != length:
+                return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {dim} along the split axis, not {length}")
+        stop = _outside(op, wanted, whole, included | ignored, graph_outputs, order_index)
+        prop = None
+        if stop is None:
+            k0, axes0 = next(iter(wanted.items()))
+            prop = rules.propagate(op, k0, next(iter(axes0)), reseed)
+            if not prop:
+                stop = Why(Code.REFUSED_OP, prop.reason)
+            elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
+                stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
+        if stop is not None:
+            for k, axes in wanted.items():
+                sliced_inputs[op.outputs[k].ref()] = next(iter(axes))
+            stops.append((max(nbytes(op.outputs[k]) for k in wanted), stop))
+            continue
+        included.add(op)
+        input_axes[op] = prop.input_axes
+        rebuild[op] = prop.build
+        for t, a in zip(op.inputs, prop.input_axes):
+            request(t, a)
+    if length is None:
+        return Why(Code.NO_ROOT, "no input of the root carries the split axis")
+    if len(options) > 1:
+        # Roots split together must not read each other's results (logsumexp's Sum reads the
+        # whole row max): the loop would need what it computes.
+        upstream = ancestors([t for op in included for t in op.inputs])
+        needed = [o.root for o in options if o.root in upstream]
+        if needed:
+            return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
+    ops = sorted(included - roots, key=lambda o: order_index[o])
+    region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
+                    whole_inputs=whole, length=length, root_partial=None)
+    stops.sort(key=lambda s: -s[0])
+    return Grown(region, included, [why for _, why in stops])
+
+
+def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
+    """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``.  Readers
+    not in ``live`` (dead ops: a tape's gradient for a constant divisor) do not count."""
+    kind = rules.leaf_kind(op)
+    if kind is not None:
+        article = "an" if kind[0] in "aeiou" else "a"
+        return Why(Code.REGION_STOPS, f"`{op.name}` is {article} {kind}")
+    if any(o.ref() in whole for o in op.outputs):
+        return Why(Code.REGION_STOPS, f"`{op.name}` is also read whole")
+    if op.control_inputs or any(c not in included for c in op._control_outputs):  # noqa: SLF001
+        return Why(Code.REGION_STOPS, f"`{op.name}` has control dependencies")
+    for o in op.outputs:
+        if o.ref() in graph_outputs:
+            return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
+        if any(c not in included and c in live and not static_shape_reader(c) for c in o.consumers()):
+            return Why(Code.REGION_STOPS, f"`{op.name}` is also read outside the region")
+    return None
+
+
+def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs: set,
+                  ignored: frozenset) -> list[RootOption] | str:
+    """The roots that end the split of ``axis`` of ``tensor``, following the readers that keep it.
+
+    Every reader of ``tensor`` (and of what carries its axis on) either keeps the axis (it then
+    joins the region) or reduces it as a root (``Sum``, a ``MatMul`` contracting it, ...).  A
+    tensor downstream that carries the axis and is an output of the function, or is read by an op
+    that neither keeps nor reduces the axis, ends the region there: its op is a concatenating root
+    (SGPR's predictive mean and variance over the test points, each [N_test, ...]) and all its
+    readers read the joined result.  Only ``tensor`` itself cannot end so (with the reason).
+    """
+    roots: dict = {}
+    seen: dict = {}
+    stack = [(tensor, axis)]
+    while stack:
+        t, a = stack.pop()
+        if t.ref() in seen:
+            if seen[t.ref()] != a:
+                return f"`{t.op.name}` would be split along two axes"
+            continue
+        seen[t.ref()] = a
+        found, pushed, stop = {}, [], None
+        if t.ref() in graph_outputs:
+            stop = f"`{t.op.name}` is an output of the function"
+        for reader in set(t.consumers()) if stop is None else ():
+            if reader not in order_index or reader in ignored or static_shape_reader(reader):
+                continue
+            slots = [j for j, x in enumerate(reader.inputs) if x is t]
+            reducing = [o for o in root_options(reader)
+                        if o.kind != "concat" and all(o.input_axes[j] == a for j in slots)]
+            if reducing:
+                if reader in roots and roots[reader].input_axes != reducing[0].input_axes:
+                    stop = f"`{reader.name}` reduces along two axes"
+                    break
+                found[reader] = reducing[0]
+                continue
+            kept = None
+            for b in range(reader.outputs[0].shape.rank or 0) if reader.outputs else ():
+                prop = rules.propagate(reader, 0, b)
+                if prop and all(prop.input_axes[j] == a for j in slots):
+                    kept = prop
+                    break
+            if kept is None:
+                stop = f"`{reader.name}` ({reader.type}) neither keeps nor reduces axis {a} of `{t.op.name}`"
+                break
+            pushed.extend((o, b) for o, b in zip(reader.outputs, kept.output_axes) if b is not None)
+        if stop is None:
+            roots.update(found)
+            stack.extend(pushed)
+            continue
+        ends = [o for o in root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == a]
+        if t is tensor or not ends:
+            return stop
+        if t.op in roots and roots[t.op].output_axes != ends[0].output_axes:
+            return f"`{t.op.name}` would be joined along two axes"
+        roots[t.op] = ends[0]
+    return sorted(roots.values(), key=lambda o: order_index[o.root])
+
+
+def prologue(grown: Grown, order_index: dict, graph_outputs: set, backward: frozenset, cap: float,
+             share: float, most_ops: int, min_bytes: int) -> list[tf.Operation]:
+    """Ops computing tensors the region reads whole from much smaller ones, for the loop to recompute
+    in its gradient instead of the program holding them (:class:`~.loop.Region`'s ``prologue``), in
+    topological order.
+
+    For each floating tensor read whole (of at least ``min_bytes``), the ops above it are taken one at
+    a time (the largest input's producer next, at most ``most_ops``) while every reader of what they
+    compute is in the region, the prologue or the recorded gradients (rebuilt through the loop); the
+    smallest set of inputs reached is kept if it is at most ``share`` of the tensor's bytes.  A
+    prologue computes its tensors whole, in the forward and again in the backward: none may be over
+    ``cap`` bytes, or the prologue would hold what the loop is there to slice (an attention's
+    probabilities, read whole by a loop over the value's columns).
+    """
+    region = grown.region
+    taken: set = set()
+    for ref in sorted(region.whole_inputs - set(region.sliced_inputs), key=lambda r: r.deref().name):
+        t = ref.deref()
+        if not t.dtype.is_floating or t.op in taken or nbytes(t) < min_bytes:
+            continue
+        ops: list = []
+        best, best_bytes = [], nbytes(t) * share
+        frontier = {t.ref()}
+        while len(ops) < most_ops:
+            inside = grown.included | taken | set(ops)
+            candidates = [r.deref() for r in frontier
+                          if _prologue_op(r.deref().op, inside, order_index, graph_outputs, backward, cap)]
+            if not candidates:
+                break
+            op = max(candidates, key=nbytes).op
+            ops.append(op)
+            frontier = {r for r in frontier if r.deref().op is not op} | {
+                x.ref() for x in op.inputs if x.op not in ops}
+            cut = sum(nbytes(r.deref()) for r in frontier)
+            if cut <= best_bytes:
+                best, best_bytes = list(ops), cut
+        taken |= set(best)
+    return sorted(taken, key=lambda o: order_index[o])
+
+
+def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs: set, backward: frozenset,
+                 cap: float) -> bool:
+    """Whether ``op`` can join a prologue whose region and ops so far are ``inside``, none of its
+    outputs over ``cap`` bytes."""
+    if (op in inside or op not in order_index or rules.leaf_kind(op) is not None or op.type in NOT_CLONED
+            or rules.is_stateful(op) or op.control_inputs or op._control_outputs  # noqa: SLF001
+            or any(t.dtype in (tf.resource, tf.variant) for t in list(op.inputs) + list(op.outputs))
+            or not all(t.shape.is_fully_defined() for t in op.outputs) or any(nbytes(t) > cap for t in op.outputs)):
+        return False
+    for o in op.outputs:
+        if o.ref() in graph_outputs:
+            return False
+        for c in o.consumers():
+            if c in order_index and c not in inside and c not in backward and not static_shape_reader(c):
+                return False
+    return True
+
+
+def downstream(op: tf.Operation, order_index: dict, depth: int) -> list[tf.Operation]:
+    """Ops reachable from ``op`` through data edges within ``depth`` steps, farthest first."""
+    seen, frontier, found = {op}, [op], [op]
+    for _ in range(depth):
+        nxt = []
+        for o in frontier:
+            for t in o.outputs:
+                for c in t.consumers():
+                    if c not in seen and c in order_index:
+                        seen.add(c)
+                        nxt.append(c)
+        found.extend(nxt)
+        frontier = nxt
+    return sorted(found, key=lambda o: -order_index[o])
+
+
+def top_k(options) -> int:
+    """The largest k of the region's top-k roots (a slice must hold at least k rows); 1 without one."""
+    return max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
+
+
+def joined_bytes(options) -> int:
+    """The bytes of the results the loop of ``options`` joins whole (its concat roots' outputs)."""
+    return sum(nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+
+
+def materialised_bytes(ops, info, where=lambda t: True) -> int:
+    """Bytes of the outputs of ``ops`` that the memory model gives buffers (those ``where`` accepts)."""
+    return sum(i.bytes for op in ops for o in op.outputs
+               if where(o) and (i := info.get(o.name)) is not None and i.materialised and i.bytes)
+
+
+def held_for_backward(grown: Grown, info, backward, joined) -> int:
+    """Bytes that splitting the region stops holding from the forward to the backward: its tensors
+    (and its prologue's) that gradients inside the function read (the loop's gradient recomputes
+    them instead), less the inputs the loop's gradient keeps for that and nothing else did (an
+    attention mask computed before a loop over heads, read whole by every slice).  ``joined``: the
+    roots whose slices the loop joins into their whole result, still held (a loop over heads joins
+    an attention's [L, H, K] output; one over queries through the output projection, [L, D]).
+    Zero without gradients inside."""
+    if not backward:
+        return 0
+
+    def read_backward(o):
+        return any(c in backward for c in o.consumers())
+
+    freed = materialised_bytes(grown.included - joined, info, read_backward)
+    freed += materialised_bytes(grown.region.prologue, info, read_backward)
+    kept = sum(nbytes(t) for t in external_inputs(grown.region)
+               if t.op.type not in ("Placeholder", "Const") and t.dtype not in (tf.resource, tf.variant)
+               and not read_backward(t))
+    return freed - kept
+
+
+def floor(est, info) -> int:
+    """Parameters, constants, outputs and the largest materialised tensor: what no loop removes."""
+    biggest = max((i.bytes for i in info.values() if i.materialised and i.bytes), default=0)
+    return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
+
+
+def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> int:
+    """The bytes the program as rewritten so far needs by the memory model, each of the splitter's
+    loops counted as a kernel whose scratch is its body's planned bytes (``loop_bytes``).  Where that
+    cannot be estimated (an op without a rule; the dynamic shapes of a sparse update): the most of
+    the static part (a lower bound), ``planned_bytes`` (the loops' plans) and :func:`floor`."""
+    def body(op, ctx):
+        return loop_bytes.get(op.name, 0)
+
+    loop = memory_model.Rule(memory_model.Kind.LIBRARY, scratch=body)
+    # The conditionals a prologue's recomputation sits in (loop._in_order): their outputs.
+    branch = memory_model.Rule(memory_model.Kind.LIBRARY)
+    after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(LOOP_TYPES, loop),
+                                               **dict.fromkeys(BRANCH_TYPES - {"Case", "StatelessCase"}, branch)})
+    if after.peak_bytes is not None:
+        return after.peak_bytes
+    known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
+    return max(planned_bytes, known, floor(after, info))
+
+
+def is_ours(names) -> bool:
+    """Whether every op named was generated by tf_memsafe (its own loops)."""
+    return all(graph_edit.is_generated(name) for name in names)

@@ -1,0 +1,498 @@
+"""The splitter pass: for each large tensor, the best region around it, planned, built and checked.
+
+:class:`Splitter` holds only what it was built with (a measurer, a tuning) and can be shared by
+every thread that traces; each :meth:`Splitter.run` makes a :class:`_Run` that holds the state of
+that one run (the memory model's figures, the loops built so far, the room given to starved
+gradient loops) and is dropped after it.  The stages it calls: :mod:`.analysis` (roots and
+regions), :mod:`.policy` (chunks and ranking), :mod:`.measure` (XLA's figures, by the injected
+measurer), :mod:`.mechanism` (the loop built and installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from grappler_ext import gradients, graph_edit, memory_model
+from grappler_ext.graph_query import live_ops, topological_order
+from grappler_ext.op_types import nbytes
+from grappler_ext.pass_base import SKIPPED, GraphPass, PassOptions, PassResult
+from grappler_ext.pipeline import register_pass
+from grappler_ext.splitter import analysis, mechanism, policy, rules
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from grappler_ext.splitter.measure import Figure, Measurer, program_figure
+from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, LoopPlan, Sizing, Why
+from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
+
+__all__ = ["Splitter"]
+
+
+def _mb(n: int | None) -> str:
+    return "an unknown amount" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def _loops(result: PassResult) -> str:
+    """"1 loop", "3 loops": the loops ``result`` has built so far."""
+    n = len(result.rewritten)
+    return f"{n} loop{'s' if n > 1 else ''}"
+
+
+def _best_effort(result: PassResult) -> bool:
+    """Whether a plan says the limit cannot be met (its warning is given then)."""
+    return any(r.code == Code.BEST_EFFORT for r in result.records)
+
+
+@register_pass
+class Splitter(GraphPass):
+    """Compute regions too large for the limit one slice at a time (see :mod:`grappler_ext.splitter`).
+
+    Args:
+      measurer: XLA's figures (:class:`~.measure.Measurer`); ``None`` plans by the memory model alone
+        (as with ``Options.check_programs`` and ``calibrate_chunks`` off).
+      tuning: the margins and limits (:class:`~.tuning.Tuning`).
+    """
+
+    name = "splitter"
+
+    def __init__(self, measurer: Measurer | None = None, tuning: Tuning = DEFAULT_TUNING):
+        if measurer is not None and not isinstance(measurer, Measurer):
+            raise TypeError(f"measurer must have program_bytes(graph) and function_bytes(fn, specs), got {measurer!r}")
+        if not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a splitter Tuning, got {type(tuning).__name__}")
+        self.measurer = measurer
+        self.tuning = tuning
+
+    def run(self, graph, options: PassOptions) -> PassResult:
+        return _Run(self, graph, options).run()
+
+
+class _Run:
+    """One run of the splitter on one graph: everything it learns and builds on the way."""
+
+    def __init__(self, splitter: Splitter, graph, options: PassOptions):
+        self.name = splitter.name
+        self.tuning = splitter.tuning
+        self.graph = graph
+        self.options = options
+        self.limit = options.memory_limit_bytes          # the user's limit (plans may use a lower one)
+        self.checker = splitter.measurer if options.check_programs else None
+        self.calibrator = splitter.measurer if options.calibrate_chunks else None
+        self.result = PassResult(self.name)
+        self.grow_room: dict[str, tuple[int, int]] = {}  # large tensor -> (bytes, chunk) given to its gradient loop
+        # Per plan (reset by _split_large).
+        self.loop_bytes: dict[str, int] = {}             # a loop's planned body bytes, by its op's name
+        self.program_sized = 0                           # loops sized by compiling them as the whole program
+        self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
+        self.hoped: set = set()                          # tensors expected to be split by their own loops
+
+    def figure(self) -> Figure:
+        return program_figure(self.checker, self.graph)
+
+    # --- the program as a whole ------------------------------------------------------------------
+
+    def run(self) -> PassResult:
+        result, limit, t = self.result, self.limit, self.tuning
+        if limit is None:
+            result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
+            return result
+        est, info = memory_model.analyse(self.graph)
+        if est.dynamic_tensors:
+            shown = ", ".join(f"`{n}`" for n in est.dynamic_tensors[:3])
+            shown = f"dynamic shapes ({shown}{', ...' if len(est.dynamic_tensors) > 3 else ''})"
+            # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
+            at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
+                           est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
+            if at_least <= limit:
+                result.skip([], f"{shown}: left alone; give the tf.function an input_signature with static "
+                                "shapes to split it", code=Code.DYNAMIC_SHAPES)
+                return result
+            # Static tensors over the limit (attention scores beside the dynamic-size sparse update
+            # of an embedding) are split; the dynamic ops stay as they are.
+            result.skip([], f"{shown}: left as they are; the rest needs at least {at_least:,} B, so the static "
+                            "tensors over the limit are split", code=Code.DYNAMIC_SHAPES)
+        elif est.peak_bytes is not None and est.peak_bytes <= limit * t.model_trust:
+            figure = self.figure() if est.peak_bytes >= t.check_from * limit else Figure()
+            if not figure.over(limit):
+                result.skip([], f"already within the limit: about {est.peak_bytes:,} B of {limit:,} B "
+                                f"(memory model{figure.note()})", code=Code.WITHIN_LIMIT)
+                return result
+            # XLA's scheduler holds more at once than the model's schedule (independent branches
+            # interleaved): plan against a limit scaled by the model's share of XLA's figure.
+            planning = int(limit * est.peak_bytes / figure.bytes)
+            result.skip([], f"the memory model's {est.peak_bytes:,} B is within the limit, but XLA's figure for "
+                            f"the program as written is {figure.bytes:,} B: planned against {planning:,} B "
+                            f"(the limit x {est.peak_bytes / figure.bytes:.2f})", code=Code.PLANNED_LOWER)
+            limit = planning
+        if est.peak_bytes is None and not est.dynamic_tensors:
+            # No estimate (an op without a byte rule): split only what is over the limit on its own
+            # terms -- the parameters, the outputs and the largest tensor together -- never a
+            # program that may well fit.
+            floor = analysis.floor(est, info)
+            if floor <= limit:
+                why = "its loops are already split" if est.unknown_ops and analysis.is_ours(est.unknown_ops) else \
+                    f"the memory model cannot estimate it ({est.reason})"
+                result.skip([], f"{why}; the largest tensor left with the inputs and outputs, {floor:,} B, is "
+                                f"within the limit of {limit:,} B", code=Code.NO_ESTIMATE)
+                return result
+        # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
+        own = graph_edit.journaled(graph_edit.Journal()) if graph_edit.active_journal() is None else \
+            contextlib.nullcontext()
+        with own:
+            self._split(est, info, limit)
+        return result
+
+    def _split(self, est, info, limit) -> None:
+        """Split the large tensors planning against ``limit``; while XLA's figure for the program as
+        split is over the user's limit, undo and plan again against a lower one (``Tuning.replans``
+        times at most), keeping the best plan."""
+        journal = graph_edit.active_journal()
+        result, wanted, t = self.result, self.limit, self.tuning
+        best = None                 # (XLA's figure, the planning limit) of the best plan measured
+        for attempt in range(t.replans + 1):
+            mark = len(journal)
+            tried = PassResult(self.name)
+            after, measured = self._split_large(est, info, limit, tried)
+            if measured is None or measured <= wanted:
+                break
+            if best is not None and measured >= best[0]:
+                # Smaller chunks did not help (what is over is not in a loop): the best plan again.
+                journal.undo(to=mark)
+                result.skip([], f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
+                                f"planned against {best[1]:,} B again", code=Code.REPLAN_NO_BETTER)
+                limit = best[1]
+                tried = PassResult(self.name)
+                after, measured = self._split_large(est, info, limit, tried)
+                break
+            best = (measured, limit)
+            if attempt == t.replans:
+                break
+            # XLA packs the loops beside the rest of the program less tightly than the model counts:
+            # the planning limit scaled by the share XLA's figure is over.
+            lower = int(limit * wanted / measured * t.replan_margin)
+            journal.undo(to=mark)
+            result.skip([], f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is {measured:,} B, "
+                            f"over the limit of {wanted:,} B: planned again against {lower:,} B", code=Code.REPLANNED)
+            limit = lower
+        if measured is None or measured <= wanted:
+            tried, after, measured = self._grown_backward(est, info, limit, mark, tried, after, measured)
+        result.records += tried.records
+        if measured is not None and measured > wanted:
+            result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
+                            "nothing left to split", code=Code.STILL_OVER)
+            warnings.warn(
+                f"tf_memsafe: `{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
+                f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
+                "usefully. It will run as well as it can; raise memory_limit.", RuntimeWarning, stacklevel=4)
+
+    def _grown_backward(self, est, info, limit, mark, tried, after, measured):
+        """The plan ``tried`` (built since the journal's ``mark``) again with its starved gradient loops
+        grown into the room XLA's figure for it leaves under the limit, if that is within the limit;
+        else ``tried`` as it was.  Returns the plan's records, the model's bytes and XLA's figure."""
+        starved, wanted = self.starved, self.limit
+        if not starved or _best_effort(tried):
+            return tried, after, measured
+        figure = Figure(measured) if measured is not None else self.figure()
+        if not figure.known:
+            return tried, after, measured
+        room = int(wanted * self.tuning.replan_margin) - figure.bytes
+        loops = ", ".join(map(str, starved.values()))
+        if room <= 0:
+            # Over the limit by XLA's figure where the model put it within: the model's plan stands
+            # (what the splitter could not split has been reported with the model's count).
+            tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
+                           f"figure for the program as split, {figure.bytes:,} B, leaves no room under the limit less "
+                           "its margin", code=Code.NOT_GROWN,
+                       plan=Growth(tuple(starved.values()), room, figure.bytes))
+            return tried, after, measured
+        journal = graph_edit.active_journal()
+
+        def replan():
+            journal.undo(to=mark)
+            again = PassResult(self.name)
+            with warnings.catch_warnings():        # the first plan's warnings were given
+                warnings.simplefilter("ignore", RuntimeWarning)
+                return (again, *self._split_large(est, info, limit, again))
+
+        self.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
+        try:
+            grown, grown_after, grown_measured = replan()
+        finally:
+            self.grow_room = {}
+        grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
+        if grown_figure.known and grown_figure.bytes <= wanted:
+            grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
+                           f"for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
+                           f"margin; with that room, {grown_figure.bytes:,} B", code=Code.GROWN,
+                       plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+            return grown, grown_after, grown_figure.bytes
+        again, after, _ = replan()
+        shown = (f"{grown_figure.bytes:,} B, over the limit" if grown_figure.known else
+                 f"not checked with XLA: {grown_figure.failure}" if grown_figure.failure else "")
+        again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "
+                       f"limit, the program as split was {shown}; planned as the model had it", code=Code.NOT_GROWN,
+                   plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+        return again, after, figure.bytes
+
+    def _split_large(self, est, info, limit, result) -> tuple[int | None, int | None]:
+        """One plan: split the program's large tensors, largest first, planning against ``limit``;
+        warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
+        nothing split) and XLA's figure for the program as split, where it was worth measuring and
+        not measured within the limit already (``None`` otherwise)."""
+        graph, t = self.graph, self.tuning
+        self.loop_bytes, self.program_sized, self.starved = {}, 0, {}
+        live = live_ops(graph)
+        # Gradients taken inside the function read the forward tensors; they are differentiated
+        # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
+        backward: frozenset = frozenset()
+        if gradients.records(graph):
+            can, why = gradients.rebuildable(graph)
+            if can:
+                backward = frozenset(gradients.backward_ops(graph) & live)
+            else:
+                result.skip([], f"gradients inside the function stay as traced: {why}", code=Code.GRADIENTS_AS_TRACED)
+        order = topological_order(graph, live)
+        order_index = {op: i for i, op in enumerate(order)}
+
+        def large(t_):
+            return (i := info.get(t_.name)) is not None and i.materialised and i.bytes \
+                and i.bytes > t.min_tensor_fraction * limit
+
+        # Large materialised tensors, largest first; each gets at most one loop.
+        tensors = sorted((x for op in order if not graph_edit.is_generated(op)
+                          and op.type not in ("Placeholder", "Const") and op not in backward
+                          for x in op.outputs if large(x)), key=lambda x: -info[x.name].bytes)
+        done: set = set()
+        after = None          # the model's bytes after the latest rewrite (the graph changes only there)
+        trust_model = True    # stop once the model puts the program within the limit
+        checked = False       # XLA's figure for the program as split measured, within the limit
+        # Each region plans beside what the rest of the program holds while it runs, counting the large
+        # tensors not yet tried as split too (their own regions will plan beside this one's loop).
+        # Large gradient tensors go with them: the gradients are rebuilt through the loops.
+        self.hoped = {x.name for x in tensors} | {x.name for op in backward for x in op.outputs if large(x)}
+        step_of = {step.op: i for i, step in enumerate(est.schedule)}
+        region = _Region(self, est, info, step_of, order_index, backward, limit, result)
+        for tensor in tensors:
+            if tensor.op in done:
+                continue
+            outcome = region.split_around(tensor)
+            if outcome is None:
+                self.hoped.discard(tensor.name)
+                continue
+            done |= outcome
+            planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
+            after = analysis.needed_now(graph, planned, self.loop_bytes)
+            if after <= limit * t.model_trust and trust_model:      # as a program left alone must
+                # Checked with XLA like a program left alone; if over, the model's word is not
+                # taken again: every large tensor left is split.
+                figure = self.figure() if after >= t.check_from * limit else Figure()
+                if not figure.over(self.limit):
+                    checked = figure.known
+                    break
+                trust_model = False
+                result.skip([], f"with {_loops(result)} the memory model counts {after:,} B, but XLA's figure is "
+                                f"{figure.bytes:,} B, over the limit: the large tensors left are split too",
+                            code=Code.CHECKED_OVER)
+        # A tensor no root of its own could split may still have been split by a later, larger
+        # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
+        done_names = {op.name for op in done}
+        result.records = [r for r in result.records if not (
+            r.action == SKIPPED and r.ops and r.code in CANNOT_SPLIT | {Code.FITS_WHOLE} and set(r.ops) <= done_names)]
+        failed = [r for r in result.records if r.code in CANNOT_SPLIT or r.code == Code.BEST_EFFORT]
+        worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
+        needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
+        if worst is not None and after is not None and after <= limit:
+            worst = None       # what was split took the rest with it
+        if worst is not None and needed is not None and needed > limit:
+            self._warn_cannot_fit(est, worst, needed, after, limit, result)
+            return after, None
+        if after is None or checked or (trust_model and after < t.check_from * limit) or (
+                self.program_sized and self.program_sized == len(result.rewritten)):
+            # Nothing split, measured within the limit already, far below it by the model's count, or
+            # every loop sized by compiling it as the whole program.
+            return after, None
+        return after, self.figure().bytes
+
+    def _warn_cannot_fit(self, est, worst, needed, after, limit, result) -> None:
+        """XLA's figure has the last word; if it is over too (or unknown), one warning: what the
+        program needs, the limit, and the record that could not be helped."""
+        # The model's count of a program this far from it is the least sure (a Transformer's
+        # training step at L = 16384: 4.7 GB as split by the model, 1.9 GB by XLA).
+        figure = self.figure()
+        if figure.known and figure.bytes <= self.limit:
+            result.skip([], f"the memory model counts {_mb(after)} as split, over the limit, but XLA's figure "
+                            f"is {figure.bytes:,} B: within it", code=Code.CHECKED_WITHIN)
+            return
+        how = "needs about" if est.peak_bytes is not None else "needs at least"
+        scaled = ("" if limit == self.limit else
+                  f" (the limit of {_mb(self.limit)} scaled to the model's count by XLA's figure)")
+        xla = f"{_mb(figure.bytes)} by XLA's figure" if figure.known else ""
+        then = f" ({_mb(after)} as split{', ' + xla if xla else ''})" if after is not None else (
+            f" ({xla} as split)" if xla else "")
+        what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
+                else f"the splitter could only reduce it: {worst.reason}")
+        warnings.warn(
+            f"tf_memsafe: `{self.graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
+            f"{_mb(limit)}{scaled}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
+            "that op's input in smaller pieces.", RuntimeWarning, stacklevel=6)
+
+
+class _Region:
+    """One plan's search and build of a loop around each large tensor (the state of :meth:`_Run._split_large`)."""
+
+    def __init__(self, run: _Run, est, info, step_of, order_index, backward, budget, result):
+        self.run, self.tuning = run, run.tuning
+        self.est, self.info, self.step_of = est, info, step_of
+        self.order_index, self.backward, self.budget, self.result = order_index, backward, budget, result
+        self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
+        self.reseed = rules.Reseed() if run.options.redraw_random else None
+
+    def beside(self, tensor) -> policy.Beside:
+        return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
+                             self.run.grow_room.get(tensor.name, (0, 0)))
+
+    def split_around(self, tensor) -> set | None:
+        """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
+        run, t, info = self.run, self.tuning, self.info
+        reasons: list[Why] = []
+        beside = self.beside(tensor)
+        near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
+        candidates = [[option] for root in near for option in analysis.root_options(root)]
+        # Several readers reducing the same axis of the tensor (SGPR's A A^T and A err): one loop.
+        for axis in range(tensor.shape.rank or 0):
+            together = analysis.forward_roots(tensor, axis, self.order_index, self.graph_outputs, self.backward)
+            if isinstance(together, list) and len(together) > 1:
+                candidates.append(together)
+        best = self.best_root(candidates, tensor, beside, reasons)
+        if best is None or best.planned.best_effort is not None or not best.planned.chunks.splits:
+            # No root nearby meets the limit: the region that does may end farther down (SGPR's
+            # predictive density reads the test points' kernel matrix 14 ops later).  Only roots
+            # whose joined result could be planned at all (see policy.plan): the wider search
+            # reaches hundreds of ops in a Transformer's training step.
+            seen = set(near)
+            far = [[option] for root in analysis.downstream(tensor.op, self.order_index, t.root_depth_wide)
+                   if root not in seen for option in analysis.root_options(root)
+                   if analysis.joined_bytes([option]) <= self.budget / 2]
+            wider = self.best_root(far, tensor, beside, reasons)
+            if wider is not None and (best is None or wider.key < best.key):
+                best = wider
+        size = info[tensor.name].bytes
+        if best is None:
+            why = reasons[0] if reasons else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule")
+            self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
+                             bytes_before=size, code=why.code)
+            return None
+        options, grown, planned = best.options, best.grown, best.planned
+        chunks, backward_chunk, per_unit = planned.chunks, planned.backward_chunk, planned.per_unit
+        if not chunks.splits:
+            # The planner's count says the region fits whole, while the program's estimate does not:
+            # say so (the run's warning then names it) rather than leave it silently.
+            self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B) usefully: its region fits "
+                                          f"the limit whole by the planner's count ({chunks.predicted_bytes:,} B)",
+                             bytes_before=size, code=Code.FITS_WHOLE)
+            return None
+        sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
+        if run.calibrator is not None and chunks.steps >= 2 and not best.remat:   # a recomputation's two steps stay
+            sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
+                                      lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c))
+            if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
+                chunks, per_unit = sized.chunks, sized.per_unit
+                backward_chunk = min(backward_chunk, chunks.chunk)
+        if self.backward:
+            # The program holds its forward activations for the gradients, and XLA's layout copies of
+            # them, beyond the model's count: a slice takes at most a share of the budget.
+            chunks = policy.capped(chunks, per_unit, self.budget, t)
+            backward_chunk = min(backward_chunk, chunks.chunk)
+        draws = self.reseed is not None and any(op.type in rules.RANDOM_DRAWS for op in grown.region.ops)
+        if draws and backward_chunk < chunks.chunk:
+            # A slice's draw keys on its offset: the gradient's slices must be the forward's.
+            chunks = ChunkPlan(chunks.length, backward_chunk,
+                               int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws)
+
+    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws) -> set | None:
+        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``."""
+        run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
+        roots = [o.root for o in options]
+        existing = set(graph.get_operations())
+        try:
+            with graph_edit.building(graph, run.name):
+                if draws:
+                    # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
+                    self.reseed.tensor = mechanism.call_seed()
+                outputs = mechanism.build(options, grown.region, chunks, backward_chunk)
+        except (ValueError, TypeError, KeyError, NotImplementedError) as e:
+            self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                             code=Code.BUILD_FAILED)
+            return None
+        mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
+        forward_loops = mechanism.new_loops(graph, existing)
+        rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included) if self.backward else 0
+        # What each loop's body holds, for the memory model's view of the program as rewritten.
+        joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
+        for op in forward_loops:
+            run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined
+        backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
+        room = run.grow_room.get(tensor.name, (0, 0))
+        for op in backward_loops:
+            # Grown into room the model did not see: counted as the rest less that room.
+            run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
+                                              backward_chunk * best.planned.backward_unit - room[0]))
+        gradient_loop = bool(backward_loops) and backward_chunk < chunks.chunk
+        if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning):
+            run.starved[tensor.name] = backward_chunk
+        if sized.sizing == Sizing.PROGRAM_FIGURE:
+            run.program_sized += 1
+        plan = LoopPlan(tuple(o.split for o in options), chunks.length, chunks.chunk, backward_chunk,
+                        chunks.predicted_bytes, has_gradient_loop=gradient_loop, sizing=sized.sizing,
+                        sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
+                        loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
+                        rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue))
+        self.result.rewrote(roots + grown.region.ops, plan.render(),
+                            bytes_before=analysis.materialised_bytes(grown.included, self.info),
+                            bytes_after=chunks.predicted_bytes,
+                            code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
+        return grown.included | set(grown.region.prologue)
+
+    def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> _Candidate | None:
+        """The best plan among ``candidates`` (lists of root options split together) whose region
+        takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
+        t, best = self.tuning, None
+        for options in candidates:
+            grown = analysis.grow(options, self.graph_outputs, self.order_index, self.backward, self.reseed)
+            if isinstance(grown, Why):
+                reasons.append(grown)
+                continue
+            if tensor.op not in grown.included:
+                if grown.stops:
+                    reasons.append(grown.stops[0])
+                continue
+            if self.backward:
+                grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, self.backward,
+                                                          t.slice_share * self.budget, t.prologue_share,
+                                                          t.prologue_ops, t.prologue_min_bytes)
+            planned = policy.plan(options, grown, beside, self.budget, t)
+            if isinstance(planned, Why):
+                reasons.append(planned)
+                continue
+            held = analysis.held_for_backward(grown, self.info, self.backward,
+                                              {o.root for o in options if o.kind == "concat"})
+            remat = policy.remat_worthwhile(planned.chunks, held, self.budget, t)
+            if remat:
+                # The region fits whole, but the gradients inside the function hold its tensors from
+                # the forward to the backward: a loop recomputes them there instead.
+                chunks = policy.split_anyway(planned.chunks, planned.per_unit)
+                planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
+                                         planned.backward_unit, planned.best_effort)
+            key = policy.rank(planned, options, held, self.budget, t)
+            if best is None or key < best.key:
+                best = _Candidate(key, options, grown, planned, remat)
+        return best
+
+
+class _Candidate:
+    """A root's plan, as :meth:`_Region.best_root` ranks them (the smallest ``key`` is best)."""
+
+    __slots__ = ("key", "options", "grown", "planned", "remat")
+
+    def __init__(self, key, options, grown, planned, remat):
+        self.key, self.options, self.grown, self.planned, self.remat = key, options, grown, planned, remat

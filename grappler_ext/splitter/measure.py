@@ -1,0 +1,67 @@
+"""Measurement behind a protocol: XLA's figure for a program, given by whoever composes the pipeline.
+
+    program_bytes(graph)        XLA's "Total bytes used" for a function's graph as it stands (compiled, never run)
+    function_bytes(fn, specs)   the same for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``
+
+``grappler_ext`` does not compile anything itself: ``tf_memsafe`` (the composition root, which owns
+``XLA_FLAGS`` and so the reports XLA writes) builds the pipeline with its implementation
+(``tf_memsafe.memory.XlaMeasurer``), and tests pass a fake returning chosen figures.  A splitter
+built without a measurer plans by the memory model alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import tensorflow as tf
+
+__all__ = ["Measurer", "Figure", "program_figure"]
+
+
+@runtime_checkable
+class Measurer(Protocol):
+    """XLA's figures for programs, compiled and never run; each may raise where XLA cannot say."""
+
+    def program_bytes(self, graph) -> int:
+        """XLA's "Total bytes used" for ``graph`` (a ``FuncGraph``) as it stands now."""
+
+    def function_bytes(self, fn, specs: Sequence[tf.TensorSpec]) -> int:
+        """XLA's "Total bytes used" for ``fn`` compiled for ``specs``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """XLA's figure for a program, or why there is none.
+
+    ``bytes`` is the figure; ``None`` when it was not asked for (no measurer, or
+    ``Options.check_programs`` off) or when measuring failed (``failure``: the error, one line).
+    """
+
+    bytes: int | None = None
+    failure: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.bytes is not None
+
+    def over(self, limit: int) -> bool:
+        """Known and over ``limit``."""
+        return self.bytes is not None and self.bytes > limit
+
+    def note(self) -> str:
+        """What a record says of it after the model's count: "; XLA's figure N B", the failure, or nothing."""
+        if self.bytes is not None:
+            return f"; XLA's figure {self.bytes:,} B"
+        return f"; not checked with XLA: {self.failure}" if self.failure else ""
+
+
+def program_figure(measurer: Measurer | None, graph) -> Figure:
+    """XLA's figure for ``graph`` as it stands, by ``measurer`` (``Figure()`` without one)."""
+    if measurer is None:
+        return Figure()
+    try:
+        return Figure(measurer.program_bytes(graph))
+    except Exception as e:  # noqa: BLE001 - the model's word stands; the record says why
+        return Figure(failure=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")

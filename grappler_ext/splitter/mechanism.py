@@ -1,0 +1,173 @@
+"""Mechanism: a planned region built into the graph as a loop, and its old ops' readers rewired.
+
+    outputs = loop over slices of the region (:mod:`.loop`), folded by the roots' combiners (:mod:`.combiners`)
+
+Given the roots' options (:class:`~.analysis.RootOption`), a grown region and a chunk plan, this
+module makes each root's partial result of one slice and the combiner that folds them
+(:func:`combined`), builds the loop with its gradient (:func:`build`), installs it in place of the
+roots (:func:`install`: readers rewired, recorded gradients retargeted, static shape readers folded;
+:func:`rebuild_gradients`), and builds the loop alone as a function for XLA to measure (:func:`loop_figure`).
+Every fallible step runs before the first rewiring.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.python.framework import tensor_util
+
+from grappler_ext import gradients, graph_edit
+from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
+from grappler_ext.splitter import combiners, rules
+from grappler_ext.splitter.analysis import const_axes
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from grappler_ext.splitter.loop import Region, build_split, forward_program
+from grappler_ext.splitter.measure import Measurer
+
+__all__ = ["combined", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
+
+
+def call_seed() -> tf.Tensor:
+    """The [2] int64 seed a loop's random draws key on, drawn anew at every call of the function."""
+    return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
+
+
+def _spec_with(t: tf.Tensor, axis, chunk: int) -> tf.TensorSpec:
+    shape = t.shape.as_list()
+    if axis is not None:
+        shape[axis] = chunk
+    return tf.TensorSpec(shape, t.dtype)
+
+
+def _root_part(option, plan: ChunkPlan):
+    """``(partial builder, combiner, partial specs, differentiable)`` for one root."""
+    root = option.root
+    kind = option.kind
+    root_inputs = list(root.inputs)    # as now: a later split may rewire the (dead) root
+    if kind == "concat":
+        def concat_partial(lookup, chunk, offset):
+            ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
+            return option.propagation.build(root, ins, chunk, offset)
+        specs = [_spec_with(o, a, plan.chunk) for o, a in zip(root.outputs, option.output_axes)]
+        return concat_partial, combiners.Concat(option.output_axes), specs, True
+
+    extremum = kind in ("max", "min") and root.outputs[0].dtype.is_floating
+    if kind == "online_softmax":
+        scores, values = option.requests[0][0], root_inputs[1]
+
+        def softmax_partial(lookup, chunk, offset):
+            v = lookup(values)
+            return combiners.softmax_partials(lookup(scores), lambda e: rules.clone_op(root, [e, v])[0])
+
+        keep = scores.shape.as_list()[:-1] + [1]
+        specs = [tf.TensorSpec(keep, scores.dtype)] * 2 + [tf.TensorSpec(root.outputs[0].shape, scores.dtype)]
+        return softmax_partial, combiners.OnlineSoftmax(), specs, True
+
+    def partial(lookup, chunk, offset):
+        ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
+        outs = rules.clone_op(root, ins)
+        if kind.startswith("arg"):
+            return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
+        if extremum:
+            axes = const_axes(root.inputs[1], root.inputs[0].shape.rank)
+            return [outs[0], combiners.tie_count(ins[0], axes, root.get_attr("keep_dims"), kind)]
+        return outs
+
+    if extremum:
+        combiner = combiners.Extremum(kind)
+        specs = [tf.TensorSpec(root.outputs[0].shape, root.outputs[0].dtype)] * 2
+    elif kind.startswith("arg"):
+        combiner = combiners.Arg(kind[3:], root.outputs[0].dtype)
+        specs = [tf.TensorSpec(root.outputs[0].shape, root.outputs[0].dtype),
+                 tf.TensorSpec(root.outputs[0].shape, root.inputs[0].dtype)]
+    elif kind == "top_k":
+        combiner = combiners.TopK(int(tensor_util.constant_value(root.inputs[1])))
+        specs = [tf.TensorSpec(o.shape, o.dtype) for o in root.outputs]
+    else:
+        combiner = (combiners.combiner_for_reduction(root.type, plan.length, plan.chunk, plan.tail)
+                    if root.type in combiners.REDUCTION_COMBINERS else combiners.Sum())
+        specs = [tf.TensorSpec(o.shape, o.dtype) for o in root.outputs]
+    if not combiner.differentiable and any(o.dtype.is_floating for o in root.outputs):
+        raise NotImplementedError(f"a split `{root.type}` has no gradient rule yet")
+    return partial, combiner, specs, combiner.differentiable
+
+
+def combined(options, region: Region, plan: ChunkPlan):
+    """``(combiner, partial specs, differentiable, outputs per root)`` of the roots together;
+    sets ``region.root_partial``."""
+    parts = [_root_part(o, plan) for o in options]
+    partial_fns = [p[0] for p in parts]
+    region.root_partial = lambda lookup, chunk, offset: [
+        x for fn in partial_fns for x in fn(lookup, chunk, offset)]
+    # Some combiners return more (a tie count, a normaliser): each part's outputs are the root's,
+    # then the combiner's hidden ones.
+    counts = [len(o.root.outputs) + c.hidden_outputs for (_, c, _, _), o in zip(parts, options)]
+    if len(parts) == 1:
+        _, combiner, specs, differentiable = parts[0]
+    else:
+        combiner = combiners.Group([(c, len(sp), n) for (_, c, sp, _), n in zip(parts, counts)])
+        specs = [x for _, _, sp, _ in parts for x in sp]
+        differentiable = all(p[3] for p in parts)
+    return combiner, specs, differentiable, counts
+
+
+def build(options, region: Region, plan: ChunkPlan, backward_chunk: int) -> list[tf.Tensor]:
+    """The loop for ``region`` in ``plan``'s chunks (its gradient in ``backward_chunk``), built in
+    the default graph: the roots' outputs, in order."""
+    combiner, specs, differentiable, counts = combined(options, region, plan)
+    outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
+                          backward_chunk=backward_chunk)
+    visible, i = [], 0
+    for o, n in zip(options, counts):
+        visible += outputs[i:i + len(o.root.outputs)]
+        i += n
+    return visible
+
+
+def install(graph, scope: str, roots, outputs, graph_outputs: set, region_ops) -> None:
+    """The loop's ``outputs`` in place of the ``roots``' (readers rewired, recorded gradients
+    retargeted); the region's static shape readers folded.  The gradients inside the function are
+    rebuilt through the loop afterwards (:func:`rebuild_gradients`)."""
+    old_outputs = [t for r in roots for t in r.outputs]
+    for old, new in zip(old_outputs, outputs):
+        if old.consumers() or old.ref() in graph_outputs:
+            graph_edit.replace_uses(old, new)
+        gradients.retarget(graph, old, new)
+    with graph_edit.building(graph, scope):
+        _fold_shape_readers(region_ops)
+
+
+def rebuild_gradients(graph, scope: str, included) -> int:
+    """The gradients inside the function that read the region's ops (``included``) differentiated
+    again through its loop; how many were rebuilt."""
+    return gradients.rebuild(graph, scope, included)
+
+
+def _fold_shape_readers(ops) -> None:
+    """Replace the static ``Shape``-like readers of ``ops``' outputs by constants."""
+    for op in ops:
+        for o in op.outputs:
+            for reader in list(o.consumers()):
+                if not static_shape_reader(reader):
+                    continue
+                for out in reader.outputs:
+                    value = tensor_util.constant_value(out)
+                    if value is not None and out.consumers():
+                        graph_edit.replace_uses(out, tf.constant(value, dtype=out.dtype))
+
+
+def loop_figure(measurer: Measurer, options, region: Region, chunk: int) -> int:
+    """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
+    built as a function of the region's inputs and compiled by ``measurer`` (never run)."""
+    plan = ChunkPlan(region.length, chunk, 0)
+    combiner, specs, _, _ = combined(options, region, plan)
+    external, forward = forward_program(region, plan.chunk, combiner, specs)
+    if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in external):
+        raise ValueError("an input without a static shape or of a handle type")
+    fn = tf.function(lambda *values: forward(*values), jit_compile=True, autograph=False)
+    with tf.init_scope():
+        return measurer.function_bytes(fn, [tf.TensorSpec(t.shape, t.dtype) for t in external])
+
+
+def new_loops(graph, existing: set) -> list[tf.Operation]:
+    """The loops in ``graph`` that are not among ``existing`` ops."""
+    return [op for op in graph.get_operations() if op.type in LOOP_TYPES and op not in existing]

@@ -1,0 +1,215 @@
+"""What the splitter decided, as values: a code per record and, for a loop, a frozen plan.
+
+Code that needs to know what happened reads ``record.code`` (a :class:`Code`) and ``record.plan``
+(a :class:`LoopPlan`); ``record.reason`` is the same decision rendered for people, from these
+values, by the functions here.  Nothing reads the text back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Growth"]
+
+
+class Code(str, enum.Enum):
+    """Why a splitter record was written.  A ``str`` enum: equal to its value after a JSON round trip."""
+
+    # The program as a whole, left alone.
+    NO_LIMIT = "no_limit"                    # no memory limit in bytes
+    DYNAMIC_SHAPES = "dynamic_shapes"        # dynamic shapes: left alone, or only the static tensors split
+    WITHIN_LIMIT = "within_limit"            # the model (and XLA's figure, where asked) puts it within
+    NO_ESTIMATE = "no_estimate"              # the model cannot estimate it; nothing is over on its own
+    # Notes on how a plan was made.
+    PLANNED_LOWER = "planned_lower"          # XLA's figure for the program as written is over: a lower limit
+    GRADIENTS_AS_TRACED = "gradients_as_traced"  # gradients inside cannot be rebuilt: they hold the region
+    CHECKED_OVER = "checked_over"            # within by the model after a split, over by XLA's: split the rest
+    CHECKED_WITHIN = "checked_within"        # over by the model's count, within by XLA's figure
+    REPLANNED = "replanned"                  # the split program over by XLA's figure: planned again, lower
+    REPLAN_NO_BETTER = "replan_no_better"    # planning lower did not help: the best plan again
+    STILL_OVER = "still_over"                # over by XLA's figure as split, nothing left to split
+    GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left
+    NOT_GROWN = "not_grown"                  # ... or not, and why
+    # A large tensor not split (the "cannot split" records: :data:`CANNOT_SPLIT`).
+    NO_ROOT = "no_root"                      # no op downstream reduces it or has a split rule
+    REFUSED_OP = "refused_op"                # the region stops at an op a rule refuses (no rule, stateful, ...)
+    REGION_STOPS = "region_stops"            # the region stops before it (an input, read whole or elsewhere)
+    REGION_CONFLICT = "region_conflict"      # wanted along two axes, lengths differ, roots read each other
+    JOINED_TOO_LARGE = "joined_too_large"    # the loop's joined result is over half the limit
+    SAVES_TOO_LITTLE = "saves_too_little"    # nearly all the region holds is its joined result
+    NO_PLAN = "no_plan"                      # no chunk fits, and a best effort would not halve the program
+    TOP_K_TOO_SMALL = "top_k_too_small"      # no chunk holds k rows
+    FITS_WHOLE = "fits_whole"                # the planner's count says its region fits whole
+    BUILD_FAILED = "build_failed"            # building the loop raised (a combiner with no gradient rule on
+                                             # floating outputs, ...): the graph is as it was
+    # Loops built.
+    SPLIT = "split"                          # a loop within the limit by the plan
+    BEST_EFFORT = "best_effort"              # a loop, but the limit cannot be met (warned)
+
+
+# A large tensor that stays whole because no candidate region around it could be planned (the
+# warning names the largest); its record is dropped if a later region took the tensor in after all.
+CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.REGION_STOPS, Code.REGION_CONFLICT,
+                          Code.JOINED_TOO_LARGE, Code.SAVES_TOO_LITTLE, Code.NO_PLAN, Code.TOP_K_TOO_SMALL})
+
+
+@dataclasses.dataclass(frozen=True)
+class Why:
+    """One reason a candidate failed, as a code and the line a person reads."""
+
+    code: Code
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RootSplit:
+    """One root of a loop: the op its region ends in, how slices combine, and the axes it reads.
+
+    ``op_type`` is the type of the op that computes what the root passes on (an output's
+    ``Identity`` names the ``MatMul`` before it), as reports name it.
+    """
+
+    op: str
+    op_type: str
+    kind: str                              # "concat", "sum", "mean", "max", ..., "argmax", "top_k", "online_softmax"
+    input_axes: tuple[int | None, ...]
+
+    def describe(self, first: bool = True) -> str:
+        """"`TopKV2` top_k over input 0 axis 1" (the first root), "`MatMul` sum" (the others)."""
+        if not first:
+            return f"`{self.op_type}` {self.kind}"
+        split = ", ".join(f"input {i} axis {a}" for i, a in enumerate(self.input_axes) if a is not None)
+        return f"`{self.op_type}` {self.kind} over {split}"
+
+
+class Sizing(str, enum.Enum):
+    """Where a loop's chunk came from."""
+
+    MODEL = "model"                        # the memory model's count (calibration off, or not tried)
+    MODEL_NO_SECOND_SIZE = "model_no_second_size"   # no second chunk size to compare with
+    MODEL_MEASURE_FAILED = "model_measure_failed"   # compiling the loop failed (``detail``: the error's type)
+    MODEL_NOT_GROWING = "model_not_growing"         # XLA's figure does not grow with the chunk
+    MODEL_MEASURED_REFUSED = "model_measured_refused"  # with XLA's figure no plan (``detail``: why)
+    LOOP_FIGURE = "loop_figure"            # XLA's figure for the loop alone at two chunks, with a margin
+    PROGRAM_FIGURE = "program_figure"      # XLA's figure for the loop, which is the whole program
+
+
+@dataclasses.dataclass(frozen=True)
+class BestEffort:
+    """The limit cannot be met by a loop: the bytes it still needs (forward) or that stay while its
+    backward runs (``by_backward``), and where the region stops, if it stops early."""
+
+    needed_bytes: int
+    by_backward: bool = False
+    stop: str = ""
+
+    def render(self) -> str:
+        if self.by_backward:
+            return (f"best effort, the limit cannot be met by the backward ({self.needed_bytes:,} B stay while it "
+                    "runs: the region's inputs and their gradients)")
+        stop = f"; the region stops where {self.stop}" if self.stop else ""
+        return f"best effort, the limit cannot be met ({self.needed_bytes:,} B needed{stop})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """A loop the splitter built: its roots, the split axis' length and the forward's and the
+    gradient loop's chunks, what sized them, and what else it does.
+
+    Attributes:
+      roots: the roots split together, the first one's split axis is the loop's.
+      length: the split axis' length.
+      chunk: the forward loop's chunk (``steps`` full chunks, then a remainder of ``tail``).
+      backward_chunk: the gradient loop's chunk (the gradients recompute slices in their own loop).
+      has_gradient_loop: whether a gradient loop of its own was built (gradients inside the function).
+      sizing, sizing_detail, bytes_per_row, loop_figure_bytes: where the chunk came from (see
+        :class:`Sizing`); XLA's bytes a row and its figure for the loop at this chunk, when measured.
+      best_effort: set when the limit cannot be met (see :class:`BestEffort`).
+      rebuilt_gradients: gradients taken inside the function rebuilt through the loop.
+      prologue_ops: ops before the loop it recomputes in its gradient.
+      predicted_bytes: the planner's count of the program while the loop runs.
+    """
+
+    roots: tuple[RootSplit, ...]
+    length: int
+    chunk: int
+    backward_chunk: int
+    predicted_bytes: int
+    has_gradient_loop: bool = False
+    sizing: Sizing = Sizing.MODEL
+    sizing_detail: str = ""
+    bytes_per_row: float | None = None
+    loop_figure_bytes: int | None = None
+    best_effort: BestEffort | None = None
+    rebuilt_gradients: int = 0
+    prologue_ops: tuple[str, ...] = ()
+
+    @property
+    def steps(self) -> int:
+        return self.length // self.chunk
+
+    @property
+    def tail(self) -> int:
+        return self.length % self.chunk
+
+    @property
+    def backward_steps(self) -> int:
+        return self.length // self.backward_chunk
+
+    @property
+    def backward_tail(self) -> int:
+        return self.length % self.backward_chunk
+
+    @property
+    def split_input(self) -> tuple[int, int]:
+        """``(input index, axis)`` the first root reads sliced (its first split input)."""
+        return next((i, a) for i, a in enumerate(self.roots[0].input_axes) if a is not None)
+
+    def describe(self) -> str:
+        """The roots and their combiners, e.g. "`Sum` sum over input 0 axis 0 and `MatMul` sum"."""
+        return " and ".join(r.describe(first=i == 0) for i, r in enumerate(self.roots))
+
+    def render(self) -> str:
+        """The record's one line: roots, steps x chunk (+ tail) of length, and what sized it."""
+        text = f"{self.describe()}: {self.steps} x {self.chunk}" + (f" + {self.tail}" if self.tail else "")
+        text += f" of {self.length}" + self._sizing_text()
+        if self.has_gradient_loop and self.backward_chunk < self.chunk:
+            text += f"; its gradient {self.backward_steps} x {self.backward_chunk}" + (
+                f" + {self.backward_tail}" if self.backward_tail else "")
+        if self.rebuilt_gradients:
+            n = self.rebuilt_gradients
+            text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"
+        if self.prologue_ops:
+            n = len(self.prologue_ops)
+            text += f"; {n} op{'s' if n > 1 else ''} before it recomputed in the gradient"
+        if self.best_effort is not None:
+            text += f"; {self.best_effort.render()}"
+        return text
+
+    def _sizing_text(self) -> str:
+        s = self.sizing
+        if s == Sizing.MODEL:
+            return ""
+        if s == Sizing.LOOP_FIGURE:
+            return f"; chunk from XLA's figure for the loop ({self.bytes_per_row:,.0f} B a row)"
+        if s == Sizing.PROGRAM_FIGURE:
+            return (f"; chunk from XLA's figure for the loop, which is the program ({self.loop_figure_bytes:,} B at "
+                    f"this chunk, {self.bytes_per_row:,.0f} B a row)")
+        why = {Sizing.MODEL_NO_SECOND_SIZE: "no second chunk size to compare with",
+               Sizing.MODEL_MEASURE_FAILED: f"measuring the loop failed: {self.sizing_detail}",
+               Sizing.MODEL_NOT_GROWING: "XLA's figure does not grow with the chunk",
+               Sizing.MODEL_MEASURED_REFUSED: f"with XLA's figure: {self.sizing_detail}"}[s]
+        return f"; chunk from the memory model ({why})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """Starved gradient loops grown (or not) into the room XLA's figure left (``Code.GROWN`` or
+    ``NOT_GROWN`` records): their chunks by the model's plan, the room, and XLA's figures for the
+    program as split before and after (``None``: not measured)."""
+
+    starved_chunks: tuple[int, ...]
+    room_bytes: int
+    figure_before: int
+    figure_after: int | None = None

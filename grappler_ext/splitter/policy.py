@@ -1,0 +1,348 @@
+"""Policy: how large a region's slices are, and which candidate region is best.
+
+    chunk = the largest c with  fixed + c * per_unit  <=  budget        (:func:`.chunk_plan.plan_chunks`)
+
+Pure functions of the memory model's figures, the tuning (:class:`.tuning.Tuning`) and, where the
+chunk is sized from XLA's figure, of figures a caller measured: nothing here builds or compiles.
+
+* :func:`plan` counts a region's bytes a unit of the split axis (its materialised tensors, the
+  slices it copies, a kernel's scratch) and what stays whatever the chunk (parameters, outputs,
+  what the rest of the program holds while the region runs: :func:`background`), and asks for the
+  largest chunk under the budget; or says why no split helps (a typed :class:`~.outcome.Why`).
+* :func:`rank` orders candidates: plans that meet the limit first, a small joined result, few
+  steps, the most bytes freed for the backward; best efforts by what they leave.
+* :func:`calibrated` sizes a chunk again from XLA's figure for the loop at two chunk sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+from grappler_ext.op_types import nbytes
+from grappler_ext.splitter import chunk_plan
+from grappler_ext.splitter.analysis import Grown, joined_bytes, materialised_bytes, top_k
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from grappler_ext.splitter.loop import external_inputs
+from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
+from grappler_ext.splitter.tuning import Tuning
+
+__all__ = ["Beside", "Planned", "Sized", "plan", "rank", "calibrated", "capped", "split_anyway", "at_least",
+           "starved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    """What the rest of the program holds, by the memory model of the program as traced.
+
+    Attributes:
+      est, info: the model's estimate and per-tensor annotations of the program.
+      step_of: each op's step in the model's schedule.
+      hoped: tensors expected to be split by their own loops (left out of what the rest holds).
+      backward: the gradient ops inside the function (empty without gradients inside).
+      room: ``(bytes, chunk)`` given to a starved gradient loop (see the driver's growth), or zeros.
+    """
+
+    est: object
+    info: Mapping
+    step_of: Mapping[str, int]
+    hoped: frozenset
+    backward: frozenset
+    room: tuple[int, int] = (0, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A region's plan: the forward's chunks, the backward's chunk, and the bytes a unit costs."""
+
+    chunks: ChunkPlan
+    backward_chunk: int
+    per_unit: float
+    backward_unit: float
+    best_effort: BestEffort | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sized:
+    """A plan sized again from XLA's figure for its loop: where the chunk came from, with the figures."""
+
+    chunks: ChunkPlan
+    per_unit: float
+    sizing: Sizing
+    bytes_per_row: float | None = None
+    loop_figure_bytes: int | None = None
+    detail: str = ""
+
+
+def steps(grown: Grown, beside: Beside) -> tuple[list[int], list[int]]:
+    """The schedule steps of the region's kernels, and of the gradient kernels reading its tensors."""
+    step_of = beside.step_of
+    forward = [step_of[op.name] for op in grown.included if op.name in step_of]
+    readers = {c for op in grown.included for o in op.outputs for c in o.consumers() if c in beside.backward}
+    return forward, [step_of[op.name] for op in readers if op.name in step_of]
+
+
+def background(beside: Beside, at: list[int], grown: Grown) -> int:
+    """The most pool bytes the rest of the program holds over the schedule steps ``at`` (first to
+    last), by the model's schedule: the region's own tensors, and the large tensors still to be
+    split, left out."""
+    if not at:
+        return 0
+    est = beside.est
+    lo, hi = min(at), max(at)
+    gone = beside.hoped | {o.name for op in grown.included for o in op.outputs}
+    delta = [0] * (hi - lo + 2)
+    for b in est.buffers:
+        if b.kind == "parameter" or b.kind == "constant" or b.last_step < lo or b.first_step > hi:
+            continue
+        # A kernel's scratch goes with its result (a triangular solve's, with the solve's output).
+        names = (b.name.removesuffix(" (scratch)") + ":0",) if b.kind == "scratch" else (b.name,) + b.tensors
+        if any(n in gone for n in names):
+            delta[max(b.first_step, lo) - lo] -= b.bytes
+            delta[min(b.last_step, hi) - lo + 1] += b.bytes
+    running, most = 0, 0
+    for s in range(lo, hi + 1):
+        running += delta[s - lo]
+        most = max(most, est.schedule[s].live_bytes + running)
+    return most
+
+
+def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
+         measured: float | None = None) -> Planned | Why:
+    """The forward plan, the backward's chunk, a best effort and the bytes a unit of the split axis
+    costs in the forward and the backward loop's body; or why no split helps.
+
+    ``measured``: the bytes a unit costs the forward loop by XLA's figure (see :func:`calibrated`),
+    used instead of the memory model's count."""
+    est, info = beside.est, beside.info
+    region = grown.region
+    length = region.length
+    folded = {o.root for o in options if o.kind != "concat"}  # roots whose outputs do not scale
+    # Kernels' scratch (XLA's blocked triangular solve keeps about one more copy of its
+    # right-hand side) scales with the slice like the outputs do.
+    scratch = {b.name.removesuffix(" (scratch)"): b.bytes for b in est.buffers if b.kind == "scratch"}
+    per_unit = 0.0
+    for op in grown.included:
+        if op in folded:
+            continue
+        per_unit += scratch.get(op.name, 0) / length
+        for o in op.outputs:
+            i = info.get(o.name)
+            if i is not None and i.materialised and i.bytes:
+                per_unit += i.bytes / length
+    computed_outside = 0                                        # inputs computed in full before the loop
+    for ref in region.sliced_inputs:
+        t = ref.deref()
+        per_unit += nbytes(t) / length                          # the slice copied into the body
+        if t.op.type != "Placeholder":
+            computed_outside += nbytes(t)
+    for ref in region.whole_inputs - set(region.sliced_inputs):
+        if ref.deref().op.type not in ("Placeholder", "Const"):
+            computed_outside += nbytes(ref.deref())             # read whole by every slice
+    root_out = sum(nbytes(t) for o in options for t in o.root.outputs)
+    joined = joined_bytes(options)
+    described = options[0].describe()
+    if joined > budget / 2:
+        # Slices joined into a result this large save nothing: what reads the result must be
+        # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
+        return Why(Code.JOINED_TOO_LARGE, f"{described}: its joined result ({joined:,} B) is over half the limit")
+    removed = materialised_bytes(grown.included, info)
+    # Joining slices along an axis other than the first transposes the stacked slices: one more
+    # copy of the result at the end.
+    join_cost = joined * (2 if any(o.kind == "concat" and any(o.output_axes) for o in options) else 1)
+    if joined and removed - join_cost < tuning.min_tensor_fraction * budget:
+        # Nearly all the region holds is its joined result (attention's scores einsum alone, a
+        # Transformer's output layer): the loop would write what it was meant to avoid.
+        return Why(Code.SAVES_TOO_LITTLE, f"{described}: saves too little (joining its result takes {join_cost:,} B "
+                                          f"of the {removed:,} B the region holds)")
+    # Parameters, constants, the outputs (the result among them), one more copy of the result
+    # while its slices are joined, and what the loop reads that is computed before it; or, if
+    # more, what the rest of the program holds while the region runs (its other tensors
+    # live then: an attention layer's loop runs beside the activations kept for the backward).
+    constant = est.parameter_bytes + est.constant_bytes
+    forward_steps, backward_steps = steps(grown, beside)
+    others = background(beside, forward_steps, grown)
+    fixed = constant + max(max(est.output_bytes, root_out) + computed_outside, others + root_out) + root_out
+    # Every tensor the model materialises in the region counted at once (not the peak of its
+    # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
+    # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
+    per_unit /= tuning.safety_margin
+    backward_unit = per_unit * tuning.backward_cost_factor
+    if measured is not None:
+        per_unit = measured / tuning.calibration_margin
+    limit = budget
+    budget = est.parameter_bytes + max(0, budget - est.parameter_bytes) * tuning.pool_margin
+    chunks = chunk_plan.plan_chunks(length, per_unit, fixed, budget)
+    best_effort = None
+    if not chunks:
+        stop = grown.stops[0].text if grown.stops else ""
+        # The limit cannot be met: still shrink the region until it is a small part of what
+        # must stay (best_effort_fraction of the fixed bytes), unless that gains nothing.
+        chunk = max(1, int(tuning.best_effort_fraction * fixed / per_unit)) if per_unit else length
+        predicted = fixed + chunk * per_unit
+        # Only where the model says it at least halves the program (its static part, when shapes
+        # are dynamic): a loop has costs of its own.
+        whole = est.peak_bytes if est.peak_bytes is not None else (
+            None if est.unknown_ops else constant + est.live_peak_bytes)
+        if (chunk >= length or per_unit * length <= tuning.best_effort_fraction * fixed
+                or whole is None or predicted > whole / 2):
+            return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (
+                f"; the region stops where {stop}" if stop else ""))
+        chunks = ChunkPlan(length, chunk, int(predicted))
+        best_effort = BestEffort(chunks.predicted_bytes, stop=stop)
+    k = top_k(options)
+    chunk = at_least(chunks.chunk, length, k)
+    if chunk is None:
+        return Why(Code.TOP_K_TOO_SMALL, f"top-k needs chunks of at least k = {k}")
+    chunks = ChunkPlan(length, chunk, int(fixed + chunk * per_unit))
+    # The backward also holds the gradients of the region's inputs.
+    fixed_backward = (max(fixed, constant + background(beside, backward_steps, grown) + root_out)
+                      + sum(nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs))
+    # The room XLA's figure showed the rest leaves (a starved gradient loop grown) taken off what stays.
+    reverse = chunk_plan.plan_chunks(length, backward_unit, max(0, fixed_backward - beside.room[0]), budget)
+    backward_chunk = at_least(reverse.chunk if reverse else max(1, chunk // int(tuning.backward_cost_factor)),
+                              length, k) or chunk
+    if beside.backward and fixed_backward > limit and best_effort is None:
+        # The gradients inside the function run this backward: say the step cannot fit.
+        best_effort = BestEffort(fixed_backward, by_backward=True)
+    return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort)
+
+
+def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning) -> tuple:
+    """The key candidates are ordered by (the smallest is best).
+
+    Plans that meet the limit first; among them, those whose joined result is small (a region
+    reaching on to a reduction, rather than stopping at a large tensor it writes whole: SGPR's
+    K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the region through A A^T
+    and A err, 3 steps, left none), the fewest steps, then the one freeing the most bytes the
+    gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
+    is judged by what it leaves); a plan that does not split last."""
+    chunks = planned.chunks
+    count = chunks.steps + (1 if chunks.tail else 0)
+    if planned.best_effort is not None:
+        return (not chunks.splits, True, chunks.predicted_bytes, count)
+    joined = joined_bytes(options)
+    return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, count, -held,
+            chunks.predicted_bytes)
+
+
+def rest_beside(grown: Grown, beside: Beside, limit: int, tuning: Tuning) -> int | None:
+    """What the rest of the program holds while the region runs, when the region's loop is all the
+    program holds (see ``Tuning.whole_program_margin``); else ``None``."""
+    if beside.backward:
+        return None
+    mine = {o.name for op in grown.included for o in op.outputs}
+    if not beside.hoped <= mine:
+        return None                       # another large tensor: its loop or its whole value
+    est = beside.est
+    # The program's parameters and constants too, less those the loop reads itself (in its figure).
+    read = sum(nbytes(t) for t in external_inputs(grown.region) if t.op.type in ("Placeholder", "Const"))
+    rest = (background(beside, steps(grown, beside)[0], grown)
+            + max(0, est.parameter_bytes + est.constant_bytes - read))
+    return rest if rest <= tuning.min_tensor_fraction * limit else None
+
+
+def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget: int, tuning: Tuning,
+               loop_figure: Callable[[int], int]) -> Sized:
+    """The plan again, its chunk sized from XLA's figure for the loop (``loop_figure(chunk)``: the
+    loop alone compiled at that chunk, never run); or the plan as it was, with why.
+
+    The difference of the figures at the planned chunk and at twice (or half) that, over the
+    difference of the chunks, is what one row of the split axis costs the loop, fusion, in-place
+    updates and the combiner's carry included.  The memory model's count is kept on the safe side
+    (``Tuning.safety_margin``), so this mostly gives larger chunks, and fewer steps, than it did.
+    """
+    k = top_k(options)
+    length, first = chunks.length, chunks.chunk
+    second = 2 * first if 2 * first <= length // 2 else first // 2
+    unchanged = Sized(chunks, 0.0, Sizing.MODEL)
+    if second < k or second == first:
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NO_SECOND_SIZE)
+    try:
+        figures = [loop_figure(c) for c in (first, second)]
+    except Exception as e:  # noqa: BLE001 - the model's plan stands; the record says why
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_MEASURE_FAILED, detail=type(e).__name__)
+    per_row = (figures[1] - figures[0]) / (second - first)
+    if per_row <= 0:
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NOT_GROWING)
+    rest = rest_beside(grown, beside, budget, tuning)
+    if rest is not None:
+        try:
+            fitted = _fitted(length, k, (first, figures[0]), per_row, rest, budget, tuning, loop_figure)
+        except Exception:  # noqa: BLE001 - the margins' plan below stands
+            fitted = None
+        if fitted is not None:
+            return fitted
+    again = plan(options, grown, beside, budget, tuning, measured=per_row)
+    if isinstance(again, Why):
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_MEASURED_REFUSED, detail=again.text)
+    new = again.chunks
+    if not new.splits:
+        # XLA's figure says the region fits whole, while the program does not.
+        new = split_anyway(new, again.per_unit)
+    return Sized(new, again.per_unit, Sizing.LOOP_FIGURE, bytes_per_row=per_row)
+
+
+def _fitted(length: int, k: int, measured: tuple[int, int], per_row: float, rest: int, limit: int, tuning: Tuning,
+            loop_figure: Callable[[int], int]) -> Sized | None:
+    """The largest chunk whose loop, by XLA's figure, fits ``Tuning.whole_program_margin`` of the
+    limit beside ``rest``: the straight line through the measured ``(chunk, bytes)`` to the target,
+    then compiled at that chunk, and the line steepened through that figure until it fits (three
+    tries).  ``None``: the conservative plan stands."""
+    target = int(limit * tuning.whole_program_margin) - rest
+    chunk_at, figure_at = measured
+    intercept = max(0, figure_at - int(per_row * chunk_at))
+    slope = per_row
+    for _ in range(3):
+        chunks = chunk_plan.plan_chunks(length, slope, intercept, target)
+        chunk = at_least(chunks.chunk, length, k) if chunks and chunks.splits else None
+        if chunk is None:
+            return None
+        figure = loop_figure(chunk)
+        if figure <= target:
+            return Sized(ChunkPlan(length, chunk, figure + rest), per_row, Sizing.PROGRAM_FIGURE,
+                         bytes_per_row=per_row, loop_figure_bytes=figure)
+        # Over (a remainder slice, a layout copy): the line through the intercept and this figure.
+        slope = max(1.05 * slope, (figure - intercept) / chunk)
+    return None
+
+
+def capped(chunks: ChunkPlan, per_unit: float, budget: int, tuning: Tuning) -> ChunkPlan:
+    """``chunks`` with slices of at most ``Tuning.slice_share`` of the budget, by the bytes a unit costs."""
+    length, cap = chunks.length, tuning.slice_share * budget
+    if per_unit <= 0 or chunks.chunk * per_unit <= cap:
+        return chunks
+    smaller = chunk_plan.plan_chunks(length, per_unit, 0, int(cap))
+    chunk = smaller.chunk if smaller else 1
+    return ChunkPlan(length, chunk, int(chunks.predicted_bytes - (chunks.chunk - chunk) * per_unit))
+
+
+def split_anyway(whole: ChunkPlan, per_unit: float) -> ChunkPlan:
+    """The plan for a region that fits the limit whole but is split all the same (the program as a
+    whole does not fit, or the gradients would hold the region's tensors): two steps at least.
+    XLA inlines a loop of one step, and then merges the forward's copy of the body with the
+    backward's (CSE), holding its tensors all the same."""
+    length, chunk = whole.length, whole.length // 2
+    return ChunkPlan(length, chunk, int(whole.predicted_bytes - (length - chunk) * per_unit))
+
+
+def at_least(chunk: int, length: int, k: int) -> int | None:
+    """``chunk`` or the next smaller size whose slices (the remainder too) hold at least ``k``."""
+    while chunk > k and 0 < length % chunk < k:
+        chunk -= 1
+    return chunk if chunk >= k else None
+
+
+def starved(chunks: ChunkPlan, backward_chunk: int, tuning: Tuning) -> bool:
+    """Whether a gradient loop in chunks of ``backward_chunk`` is starved: many steps, each a small
+    part of its forward's (each step rewrites the gradients of the inputs the loop reads whole)."""
+    backward_steps = -(-chunks.length // backward_chunk)
+    return (backward_steps >= tuning.starved_steps
+            and backward_chunk * tuning.backward_cost_factor < chunks.chunk)
+
+
+def remat_worthwhile(chunks: ChunkPlan, held: int, budget: int, tuning: Tuning) -> bool:
+    """Whether a region that fits whole is split all the same: the gradients inside the function
+    would hold its tensors (``held`` bytes) from the forward to the backward."""
+    return not chunks.splits and held > tuning.min_tensor_fraction * budget and chunks.length >= 2
+

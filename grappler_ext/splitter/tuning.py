@@ -1,0 +1,99 @@
+"""The splitter's margins and limits: one frozen, documented object, passed in (never a module global).
+
+Every number here is a policy knob backed by a measurement (cited with it).  The splitter reads
+them from the :class:`Tuning` it was built with; tests and experiments build a pass with other
+values (``Splitter(tuning=Tuning(root_depth_wide=8))``) instead of patching modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Tuning", "DEFAULT_TUNING"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The splitter's tuning.  Fractions are of the limit (or of the bytes named), in (0, 1].
+
+    Attributes:
+      safety_margin: a slice's bytes by the memory model are divided by this before planning: the
+        model is an estimate (its ratio to XLA's figure stays in [0.7, 1.1] over the test
+        workloads).  The fixed part (parameters, outputs, the combined result) is known exactly and
+        gets no margin.
+      pool_margin: the limit less the parameters is planned at this fraction: XLA packs every
+        temporary of a program into one pool, with gaps where lifetimes interleave (the pool
+        measured up to 1.3x the bytes live at its peak in an attention training step's loops).
+      model_trust: a program is left alone as "already within the limit" only when the model's
+        estimate is within this share of it (the model is 0.75-1.02x XLA's figure on its test
+        workloads, 0.85x on SGPR with M = 2000: 897 MB estimated, 1.05 GB measured).
+      calibration_margin: a loop's bytes a row measured by compiling it alone are divided by this:
+        XLA packs the rest of the program around the loop less tightly than the loop alone (a
+        Transformer's three attention loops needed 1.22x their standalone figures).
+      whole_program_margin: a loop that is all the program holds (no gradients inside, no other
+        large tensor, the rest under ``min_tensor_fraction`` of the limit: a kNN search, a kernel
+        sum) is sized from XLA's figure for it, up to this share of the limit, and checked by
+        compiling at that chunk, as a person sizing the loop by hand would.
+      check_from: a program the model puts within ``model_trust`` of the limit but above this share
+        of it is compiled whole before it is left alone (XLA's scheduler may interleave independent
+        branches: a Transformer's encoder and decoder self-attention, 2.2 GB for the model's 1.1 GB).
+      replan_margin: a split program over the limit by XLA's figure is planned again against the
+        planning limit scaled by limit / figure and by this margin ...
+      replans: ... at most this many times.
+      slice_share: with gradients inside the function, a loop's slice takes at most this share of
+        the budget (the program holds its forward activations for the backward, and XLA's layout
+        copies of them: a Transformer's training step at L = 4096 under 2 GB was 2.08 GB in halves
+        of 2048 rows, 1.98 GB in eighths of 512).
+      min_tensor_fraction: a tensor smaller than this share of the limit is not worth a loop.
+      backward_cost_factor: a slice's gradient holds about this many slice-sized tensors at once
+        (measured 4.7x the forward slice's bytes for a kernel matrix-vector product): the backward
+        loop plans with this factor.
+      starved_steps: a gradient loop of at least this many steps, its chunk under
+        1 / ``backward_cost_factor`` of its forward's, is starved (SGPR at M = 2000, N = 1e6: 8 rows a
+        step, 125,000 steps); XLA's figure for the program as split says how much room there is.
+      best_effort_fraction: when even the bytes that must stay exceed the limit, a region is still
+        cut until its slice is this share of them (beyond that, smaller slices only cost steps).
+      root_depth: how many ops downstream of a large tensor roots are looked for ...
+      root_depth_wide: ... and how many when none of those meets the limit (SGPR's predictive
+        density is 14 ops after K(Z, X*)).
+      prologue_share: a prologue replaces a tensor read whole by inputs of at most this share of
+        its bytes (an attention's keys: einsum and bias, 1/8) ...
+      prologue_ops: ... in at most this many ops ...
+      prologue_min_bytes: ... and only for tensors at least this large.
+    """
+
+    safety_margin: float = 0.7
+    pool_margin: float = 0.8
+    model_trust: float = 0.8
+    calibration_margin: float = 0.7
+    whole_program_margin: float = 0.95
+    check_from: float = 0.3
+    replan_margin: float = 0.95
+    replans: int = 2
+    slice_share: float = 0.125
+    min_tensor_fraction: float = 0.05
+    backward_cost_factor: float = 5.0
+    starved_steps: int = 256
+    best_effort_fraction: float = 0.1
+    root_depth: int = 8
+    root_depth_wide: int = 32
+    prologue_share: float = 0.5
+    prologue_ops: int = 8
+    prologue_min_bytes: int = 1 << 16
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "float":
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    value >= 1 if f.name == "backward_cost_factor" else 0 < value <= 1)
+                accepted = ">= 1" if f.name == "backward_cost_factor" else "in (0, 1]"
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if f.name == "replans"
+                                                                                          else 1)
+                accepted = "an int >= 0" if f.name == "replans" else "an int >= 1"
+            if not ok:
+                raise ValueError(f"Tuning.{f.name} must be {accepted}, got {value!r}")
+
+
+DEFAULT_TUNING = Tuning()

@@ -1,0 +1,31 @@
+"""What XLA:CPU (TensorFlow 2.21) does, measured: the thresholds and op sets the passes and the
+memory model decide by.
+
+Each fact is one named constant with the measurement it rests on; passes and analyses import it
+from here (an analysis never imports a pass for one).  Measured from XLA's buffer-assignment
+report ("Total bytes used"); other XLA versions may differ.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from grappler_ext import op_types
+
+__all__ = ["FUSED_REDUCTION_MAX", "MATVEC_FUSION_MAX_BYTES", "YNN_REDUCTIONS", "YNN_DTYPES"]
+
+# XLA:CPU keeps a reduction over an innermost axis of at most this many elements fused with its
+# elementwise producers (measured on TF 2.21: D = 32 costs |N x M| bytes, D = 33 costs |N x M x D|).
+FUSED_REDUCTION_MAX = 32
+
+# XLA:CPU emits a matrix-vector product itself, with the matrix's producers fused in, when the
+# vector is smaller than 16 KiB (measured: ``exp(a) @ v`` with v [3000, 1] (12 kB) is one fusion;
+# with v [5000, 1] (20 kB), or v [3000, 2], or a batched product, ``exp(a)`` is materialised).
+MATVEC_FUSION_MAX_BYTES = 16 * 1024
+
+# Reductions XLA:CPU (TF 2.21) hands to YNNPACK, as a custom fusion that reads its operand from
+# memory.  Measured: float32 (and bfloat16) Sum, Mean, Max and Min, over any axes, unless the
+# operand is a multiply (then XLA keeps the reduction itself).  Prod, All, Any and float64,
+# float16 or integer reductions stay in XLA's own loop emitter.
+YNN_REDUCTIONS = op_types.REDUCTIONS & {"Sum", "Mean", "Max", "Min"}
+YNN_DTYPES = frozenset({tf.float32, tf.bfloat16})

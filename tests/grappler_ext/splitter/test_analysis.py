@@ -1,0 +1,141 @@
+"""splitter.analysis: roots, regions and where they stop, on small graphs (nothing is rewritten).
+
+Sizes are small on purpose: analysis reads shapes and op types only.  x is [600, 3], y [400, 3]
+float32: K = exp(x y^T) is [600, 400] (960 kB), its row sums [600].
+"""
+
+import tensorflow as tf
+
+from grappler_ext.graph_query import topological_order
+from grappler_ext.splitter import Code, analysis
+
+X, Y = tf.TensorSpec([600, 3]), tf.TensorSpec([400, 3])
+
+
+def traced(fn, *specs):
+    """The function's graph, its ops in order and their index, and its output refs."""
+    graph = tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph
+    order = topological_order(graph)
+    return graph, {op: i for i, op in enumerate(order)}, {t.ref() for t in graph.outputs}
+
+
+def op_of(graph, op_type):
+    return [o for o in graph.get_operations() if o.type == op_type][-1]      # the last: the function's own
+
+
+def grown_from(fn, root_type, kind, *specs, ignored=frozenset()):
+    graph, order_index, outputs = traced(fn, *specs)
+    root = op_of(graph, root_type)
+    (option,) = [o for o in analysis.root_options(root) if o.kind == kind][:1]
+    return graph, analysis.grow([option], outputs, order_index, ignored)
+
+
+class TestRootOptions:
+    def test_a_matmul_offers_its_rows_its_columns_and_its_contracting_axis(self):
+        """``x @ y^T``: rows of x (joined), rows of y (joined as columns), or slices of D summed."""
+        graph, _, _ = traced(lambda x, y: tf.matmul(x, y, transpose_b=True), X, Y)
+        options = analysis.root_options(op_of(graph, "MatMul"))
+        assert sorted(((o.kind, o.input_axes) for o in options), key=str) == [
+            ("concat", (0, None)), ("concat", (None, 0)), ("sum", (1, 1))]
+
+    def test_a_reduction_offers_its_kept_axis_joined_and_its_reduced_axis_folded(self):
+        graph, _, _ = traced(lambda x, y: tf.reduce_max(tf.matmul(x, y, transpose_b=True), axis=1), X, Y)
+        options = analysis.root_options(op_of(graph, "Max"))
+        assert sorted(((o.kind, o.input_axes) for o in options), key=str) == [("concat", (0, None)), ("max", (1, None))]
+
+    def test_top_k_is_split_along_its_last_axis(self):
+        graph, _, _ = traced(lambda x, y: tf.math.top_k(tf.matmul(x, y, transpose_b=True), k=3).values, X, Y)
+        kinds = {o.kind: o.input_axes for o in analysis.root_options(op_of(graph, "TopKV2"))}
+        assert kinds["top_k"] == (1, None) and kinds["concat"] == (0, None)
+
+    def test_softmax_times_values_offers_an_online_softmax_over_the_keys(self):
+        v = tf.TensorSpec([400, 8])
+        graph, _, _ = traced(lambda x, y, v: tf.nn.softmax(tf.matmul(x, y, transpose_b=True)) @ v, X, Y, v)
+        (online,) = [o for o in analysis.root_options(op_of(graph, "MatMul")) if o.kind == "online_softmax"]
+        assert [op.type for op in online.absorbed] == ["Softmax"] and online.split.describe() == (
+            "`MatMul` online_softmax over input 0 axis 1, input 1 axis 0")
+
+
+class TestGrow:
+    def test_through_elementwise_ops_to_the_inputs(self):
+        """Rows of sum(exp(x y^T), 1): Exp and MatMul join the region; x is sliced, y read whole."""
+        graph, grown = grown_from(lambda x, y: tf.reduce_sum(tf.exp(tf.matmul(x, y, transpose_b=True)), 1),
+                                  "Sum", "concat", X, Y)
+        assert isinstance(grown, analysis.Grown)
+        assert {op.type for op in grown.region.ops} == {"MatMul", "Exp"} and grown.region.length == 600
+        (sliced,) = grown.region.sliced_inputs.items()
+        assert sliced[0].deref().op.type == "Placeholder" and sliced[1] == 0
+        whole = {tuple(r.deref().shape.as_list()) for r in grown.region.whole_inputs}
+        assert whole - {()} == {(400, 3)}                                     # and the Sum's axis
+        assert all(w.code == Code.REGION_STOPS and "is an input" in w.text for w in grown.stops)
+
+    def test_at_an_op_without_a_rule_with_the_reason(self):
+        """A Cholesky before the reduction: the region stops there, refused, and says why."""
+        def fn(x):
+            k = tf.exp(-tf.matmul(x, x, transpose_b=True)) + tf.eye(600)
+            return tf.reduce_sum(tf.linalg.cholesky(k) * 2.0, 1)
+
+        graph, grown = grown_from(fn, "Sum", "concat", X)
+        assert "Cholesky" not in {op.type for op in grown.region.ops}
+        assert grown.stops[0].code == Code.REFUSED_OP and "Cholesky" in grown.stops[0].text
+
+    def test_at_a_tensor_the_function_also_returns(self):
+        """exp(x y^T) is returned as well as summed: its full value exists, so it is sliced, not recomputed."""
+        def fn(x, y):
+            k = tf.exp(tf.matmul(x, y, transpose_b=True))
+            return tf.reduce_sum(k, 1), k
+
+        graph, grown = grown_from(fn, "Sum", "concat", X, Y)
+        assert grown.region.ops == [] and grown.stops[0].code == Code.REGION_STOPS
+        assert "read outside the region" in grown.stops[0].text or "output of the function" in grown.stops[0].text
+
+    def test_readers_in_ignored_do_not_hold_an_op_back(self):
+        """The same returned tensor's other reader ignored (as the gradients inside the function are)."""
+        def fn(x, y):
+            k = tf.exp(tf.matmul(x, y, transpose_b=True))
+            return tf.reduce_sum(k, 1), tf.reduce_max(k, 1)
+
+        graph, order_index, outputs = traced(fn, X, Y)
+        (option,) = [o for o in analysis.root_options(op_of(graph, "Sum")) if o.kind == "concat"]
+        held = analysis.grow([option], outputs, order_index)
+        freed = analysis.grow([option], outputs, order_index, ignored=frozenset({op_of(graph, "Max")}))
+        assert held.region.ops == [] and {op.type for op in freed.region.ops} == {"MatMul", "Exp"}
+
+    def test_conflicting_axes_are_a_conflict(self):
+        """x x^T split by rows reads x along axis 0 twice -- fine -- but K + K^T needs K along two axes."""
+        def fn(x):
+            k = tf.matmul(x, x, transpose_b=True)
+            return tf.reduce_sum(k + tf.transpose(k), 1)
+
+        graph, grown = grown_from(fn, "Sum", "concat", X)
+        assert isinstance(grown, analysis.Why) and grown.code == Code.REGION_CONFLICT, grown
+
+
+class TestForwardRoots:
+    def test_two_readers_reducing_the_same_axis_end_one_region(self):
+        """K [600, 400] read by a column sum and by K^T w: both reduce the rows, one loop can take both."""
+        w = tf.TensorSpec([600, 2])
+
+        def fn(x, y, w):
+            k = tf.exp(tf.matmul(x, y, transpose_b=True))
+            return tf.reduce_sum(k, 0), tf.matmul(k, w, transpose_a=True)
+
+        graph, order_index, outputs = traced(fn, X, Y, w)
+        k = op_of(graph, "Exp").outputs[0]
+        roots = analysis.forward_roots(k, 0, order_index, outputs, frozenset())
+        assert sorted((o.root.type, o.kind) for o in roots) == [("MatMul", "sum"), ("Sum", "sum")]
+
+    def test_a_reader_that_neither_keeps_nor_reduces_the_axis_says_so(self):
+        graph, order_index, outputs = traced(lambda x: tf.linalg.cholesky(tf.exp(-tf.matmul(x, x, transpose_b=True))),
+                                             X)
+        k = op_of(graph, "Exp").outputs[0]
+        why = analysis.forward_roots(k, 0, order_index, outputs, frozenset())
+        assert isinstance(why, str) and "neither keeps nor reduces" in why and "Cholesky" in why, why
+
+
+def test_downstream_lists_ops_within_the_depth_farthest_first():
+    graph, order_index, _ = traced(lambda x, y: tf.reduce_sum(tf.exp(tf.matmul(x, y, transpose_b=True)), 1), X, Y)
+    matmul = op_of(graph, "MatMul")
+    near = analysis.downstream(matmul, order_index, 1)
+    assert [op.type for op in near] == ["Exp", "MatMul"]
+    assert [op.type for op in analysis.downstream(matmul, order_index, 2)][:2] == ["Sum", "Exp"]

@@ -1,0 +1,167 @@
+"""splitter.policy and tuning: chunk sizes, ranking and calibration as values, on small graphs.
+
+Nothing here compiles: XLA's figure for a loop is a fake function of the chunk, as a measurer
+would give it.  The region: rows of logsumexp(-|x - y|^2) with x [3000, 3], y [2000, 3] float64,
+whose [3000, 2000] distance matrix is 48 MB; limits of 4-16 MB make it split.
+"""
+
+import dataclasses
+
+import pytest
+import tensorflow as tf
+
+from grappler_ext import memory_model
+from grappler_ext.graph_query import topological_order
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Sizing, Tuning, analysis, policy
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from tf_memsafe.memory import MeasurementError
+
+N, M = 3000, 2000
+
+
+def kernel_sum(x, y):
+    d = tf.reduce_sum(tf.square(x[:, None, :] - y[None, :, :]), -1)           # [N, M]
+    return tf.reduce_sum(tf.exp(-d), axis=1)                                   # [N]
+
+
+@pytest.fixture(scope="module")
+def region():
+    """The kernel sum's row region, as the driver would find it: (options, grown, beside)."""
+    graph = tf.function(kernel_sum, jit_compile=True).get_concrete_function(
+        tf.TensorSpec([N, 3], tf.float64), tf.TensorSpec([M, 3], tf.float64)).graph
+    order = topological_order(graph)
+    order_index = {op: i for i, op in enumerate(order)}
+    outputs = {t.ref() for t in graph.outputs}
+    est, info = memory_model.analyse(graph)
+    root = [op for op in order if op.type == "Sum"][-1]
+    options = [o for o in analysis.root_options(root) if o.kind == "concat"]
+    grown = analysis.grow(options, outputs, order_index)
+    big = max((t for op in order for t in op.outputs if t.name in info and info[t.name].bytes),
+              key=lambda t: info[t.name].bytes)
+    beside = policy.Beside(est, info, {s.op: i for i, s in enumerate(est.schedule)}, frozenset({big.name}),
+                           frozenset())
+    return options, grown, beside
+
+
+class TestPlan:
+    @pytest.mark.parametrize("limit", [4 * 10**6, 8 * 10**6, 16 * 10**6])
+    def test_the_chunk_is_the_largest_that_fits_the_budget(self, region, limit):
+        options, grown, beside = region
+        planned = policy.plan(options, grown, beside, limit, DEFAULT_TUNING)
+        chunks = planned.chunks
+        assert chunks.splits and chunks.length == N and planned.best_effort is None
+        assert chunks.predicted_bytes <= limit
+        # One more row per slice would not fit the pooled budget (or no larger chunk gives fewer slices).
+        budget = beside.est.parameter_bytes + (limit - beside.est.parameter_bytes) * DEFAULT_TUNING.pool_margin
+        fixed = chunks.predicted_bytes - chunks.chunk * planned.per_unit
+        assert fixed + (chunks.chunk + chunks.tail + 1) * planned.per_unit > budget or chunks.tail == 0
+        assert planned.backward_unit == pytest.approx(planned.per_unit * DEFAULT_TUNING.backward_cost_factor)
+
+    def test_a_lower_limit_gives_smaller_chunks(self, region):
+        options, grown, beside = region
+        chunks = [policy.plan(options, grown, beside, limit, DEFAULT_TUNING).chunks.chunk
+                  for limit in (16 * 10**6, 8 * 10**6, 4 * 10**6)]
+        assert chunks == sorted(chunks, reverse=True) and chunks[0] > chunks[-1]
+
+    def test_a_larger_safety_margin_gives_larger_chunks(self, region):
+        options, grown, beside = region
+        default = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING).chunks.chunk
+        trusting = policy.plan(options, grown, beside, 8 * 10**6, Tuning(safety_margin=1.0)).chunks.chunk
+        assert trusting > default
+
+    def test_an_impossible_limit_is_a_best_effort_or_says_why(self, region):
+        options, grown, beside = region
+        tight = policy.plan(options, grown, beside, 10**5, DEFAULT_TUNING)       # the inputs alone are 112 kB
+        assert (isinstance(tight, policy.Planned) and tight.best_effort is not None) or tight.code == Code.NO_PLAN
+
+
+class TestRank:
+    def plan(self, chunk, length=1000, best_effort=None, predicted=10**6):
+        return policy.Planned(ChunkPlan(length, chunk, predicted), chunk, 100.0, 500.0, best_effort)
+
+    def test_meeting_the_limit_first_then_fewer_steps(self):
+        from grappler_ext.splitter.outcome import BestEffort
+
+        few, many = self.plan(500), self.plan(100)
+        effort = self.plan(800, best_effort=BestEffort(10**7), predicted=10)
+        keys = {name: policy.rank(p, [], 0, 10**7, DEFAULT_TUNING)
+                for name, p in (("few", few), ("many", many), ("effort", effort))}
+        assert sorted(keys, key=keys.get) == ["few", "many", "effort"]
+
+    def test_among_equal_steps_the_one_freeing_more_for_the_backward(self):
+        a, b = self.plan(250), self.plan(250)
+        assert policy.rank(a, [], 5 * 10**6, 10**7, DEFAULT_TUNING) < policy.rank(b, [], 10**6, 10**7, DEFAULT_TUNING)
+
+    def test_a_plan_that_does_not_split_is_last(self):
+        whole, split = self.plan(1000), self.plan(10)
+        assert policy.rank(split, [], 0, 10**7, DEFAULT_TUNING) < policy.rank(whole, [], 0, 10**7, DEFAULT_TUNING)
+
+
+class TestCalibrated:
+    """XLA's figure for the loop, faked as a line: ``fixed + per_row * chunk``."""
+
+    def sized(self, region, loop_figure, limit=8 * 10**6, hoped=None):
+        options, grown, beside = region
+        if hoped is not None:
+            beside = dataclasses.replace(beside, hoped=hoped)
+        chunks = policy.plan(options, grown, beside, limit, DEFAULT_TUNING).chunks
+        return chunks, policy.calibrated(options, grown, chunks, beside, limit, DEFAULT_TUNING, loop_figure)
+
+    def test_the_bytes_a_row_come_from_two_chunk_sizes(self, region):
+        """Another large tensor hoped for (so the loop is not the whole program): the margins' plan,
+        with XLA's bytes a row instead of the model's."""
+        chunks, sized = self.sized(region, lambda c: 10**5 + 4000 * c, hoped=frozenset({"elsewhere:0"}))
+        assert sized.sizing == Sizing.LOOP_FIGURE and sized.bytes_per_row == pytest.approx(4000)
+        assert sized.per_unit == pytest.approx(4000 / DEFAULT_TUNING.calibration_margin)
+        assert sized.chunks.chunk > chunks.chunk                  # the model's count is kept on the safe side
+
+    def test_a_loop_that_is_the_program_is_sized_to_the_whole_program_margin(self, region):
+        limit = 8 * 10**6
+        figures = []
+
+        def figure(c):
+            figures.append(c)
+            return 10**5 + 4000 * c
+
+        _, sized = self.sized(region, figure, limit)
+        assert sized.sizing == Sizing.PROGRAM_FIGURE
+        assert sized.loop_figure_bytes <= limit * DEFAULT_TUNING.whole_program_margin
+        assert sized.loop_figure_bytes == 10**5 + 4000 * sized.chunks.chunk and len(figures) == 3
+
+    def test_a_failed_measurement_keeps_the_models_chunk_and_names_the_error(self, region):
+        def fail(c):
+            raise MeasurementError("no report")
+
+        chunks, sized = self.sized(region, fail)
+        assert (sized.sizing, sized.detail, sized.chunks) == (Sizing.MODEL_MEASURE_FAILED, "MeasurementError", chunks)
+
+    def test_a_figure_that_does_not_grow_is_not_believed(self, region):
+        chunks, sized = self.sized(region, lambda c: 10**6)
+        assert sized.sizing == Sizing.MODEL_NOT_GROWING and sized.chunks == chunks
+
+
+def test_capped_split_anyway_at_least_and_starved():
+    plan = ChunkPlan(4096, 2048, 10**9)
+    assert policy.capped(plan, 374_000, 2 * 10**9, Tuning(slice_share=0.25)).chunk == 1024
+    assert policy.split_anyway(ChunkPlan(1000, 1000, 5000), 2.0) == ChunkPlan(1000, 500, 4000)
+    assert policy.at_least(300, 1000, 150) == 283          # 3 x 283 + 151: the remainder holds k = 150
+    assert policy.at_least(100, 1000, 150) is None
+    forward = ChunkPlan(100_000, 2000, 0)
+    assert policy.starved(forward, 100, DEFAULT_TUNING)                        # 1000 steps of a twentieth
+    assert not policy.starved(forward, 1000, DEFAULT_TUNING)                   # half the forward's chunk
+    assert not policy.starved(forward, 100, Tuning(starved_steps=2000))
+
+
+class TestTuning:
+    def test_defaults_are_documented_fields_and_frozen(self):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            DEFAULT_TUNING.safety_margin = 1.0
+        for f in dataclasses.fields(Tuning):
+            assert f.name in Tuning.__doc__, f.name
+
+    @pytest.mark.parametrize("field, value", [("safety_margin", 0), ("pool_margin", 1.5), ("replans", -1),
+                                              ("root_depth", 0), ("backward_cost_factor", 0.5),
+                                              ("slice_share", "0.1"), ("starved_steps", True)])
+    def test_values_out_of_range_name_the_field(self, field, value):
+        with pytest.raises(ValueError, match=f"Tuning.{field} must be"):
+            Tuning(**{field: value})
