@@ -73,9 +73,12 @@ def enable(memory_limit: int | float | str = _config.DEFAULT_MEMORY_LIMIT, **opt
     Returns:
       The process-wide :class:`Options` now in force (``options()`` scopes still apply on top).
 
-    Raises:
-      ValueError: the limit is malformed (the message lists the accepted forms).
-      TypeError: an unknown option.
+    Raises (here, before anything is enabled, never at a later trace):
+      ValueError: the limit is malformed (the message lists the accepted forms); a value out of range;
+        ``disabled_passes`` names a pass that does not exist (the message lists the known passes).
+      TypeError: an unknown option, or a value of the wrong type: the switches take ``True``/``False``
+        only (not ``"no"``, ``None`` or ``1``), ``memory_limit_bytes`` an int (a string such as
+        ``"8MB"`` goes to ``memory_limit``); the message names the field, the value and what it accepts.
       UnsupportedTensorFlowError: this TensorFlow's internals are not the tested ones.
 
     Functions already traced keep their graphs: enable before the first call.  Calling
@@ -118,6 +121,8 @@ def options(**overrides) -> Iterator[Options]:
 
         with tf_memsafe.options(memory_limit="256MiB", strict=True):
             f(x)          # traced (and so rewritten) under these options
+
+    A bad value raises at the ``with`` line, as :func:`enable` says, and the block does not run.
     """
     with _config.scoped(**overrides) as opts:
         yield opts

@@ -12,7 +12,8 @@ estimate of the program as traced ("before"), XLA's "Total bytes used" of each p
 compiled during the run ("after", measured: XLA dumps into a private directory for the run, see
 :func:`tf_memsafe.xla_flags.dump_all_compiles`; ``--no-measure`` turns that off), and the reason
 or the number of rewrites; ``--explain`` adds each function's pass records.  The script's exit
-status is kept.  Bad arguments get one error line and exit status 2.
+status is kept.  Bad arguments (a malformed ``--memory-limit``, a ``--disable-pass`` naming no known
+pass) get one error line and exit status 2, before the script starts.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 
 import tf_memsafe
 from tf_memsafe import hook, xla_flags
+from tf_memsafe.config import describe_unknown_passes, known_pass_names
 from tf_memsafe.hook import TraceReport
 from tf_memsafe.report import align_columns, format_records
 from tf_memsafe.units import format_bytes, parse_memory_limit
@@ -50,6 +52,14 @@ def _memory_limit(text: str) -> str:
     return text
 
 
+def _pass_name(text: str) -> str:
+    """A known pass name, checked while parsing: a typo stops the run before the script starts."""
+    problem = describe_unknown_passes([text])
+    if problem:  # one line: the name, close matches, the known passes
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def _parser() -> tuple[_Parser, set[str]]:
     """The parser, and the option strings that take a value (to find where the script's args start)."""
     parser = _Parser(
@@ -65,8 +75,9 @@ def _parser() -> tuple[_Parser, set[str]]:
                             help="limit on each compiled program's memory: '4GB', '512MiB', '1.5GiB', a number "
                                  "of bytes, or a percentage of the device's memory such as '80%%' "
                                  "(default: %(default)s)"),
-        parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
-                            help="do not run the pass NAME (repeatable)"),
+        parser.add_argument("--disable-pass", action="append", default=[], metavar="NAME", type=_pass_name,
+                            help="do not run the pass NAME (repeatable; one of: "
+                                 f"{', '.join(sorted(known_pass_names()))})"),
         parser.add_argument("--strict", action="store_true",
                             help="raise instead of leaving a function as traced when a pass fails"),
         parser.add_argument("--redraw-random", action="store_true",

@@ -9,19 +9,31 @@ Options come from three layers, innermost wins:
 
 Passes receive an ``Options`` instance as an argument and never read globals.  User strings such as
 ``"4GB"`` are parsed here, once (see :mod:`tf_memsafe.units`).
+
+Every field is checked where the options are made (``Options(...)``, :func:`make_options`, and so
+``enable(...)`` and ``options(...)``), never at the next trace: a value of the wrong type raises
+``TypeError`` and a value out of range, or a pass name nobody defines, ``ValueError``; the message names
+the field, the value given and what the field accepts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import math
+import numbers
+import os
+import re
 import threading
 from collections.abc import Iterable, Iterator
 
-from grappler_ext.pass_base import PassOptions
+from grappler_ext.pass_base import GraphPass, PassOptions
+from grappler_ext.pipeline import DEFAULT_ORDER, registered_passes
 from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit
 
-__all__ = ["Options", "current", "scoped", "set_global", "get_global", "make_options"]
+__all__ = ["Options", "current", "scoped", "set_global", "get_global", "make_options", "known_pass_names",
+           "describe_unknown_passes"]
 
 DEFAULT_MEMORY_LIMIT = "80%"
 
@@ -33,10 +45,14 @@ class Options(PassOptions):
 
     Attributes:
       memory_limit_bytes: the limit on XLA's buffer assignment ("Total bytes used") of each
-        compiled program, in bytes; ``None`` when the limit is a fraction of device memory.
+        compiled program, in bytes: an int > 0 (not a bool, not a string: ``"8MB"`` goes to the
+        ``memory_limit`` keyword of ``enable``/``options``, which parses units); ``None`` when the
+        limit is a fraction of device memory.  Exactly one of the two limit fields is set.
       memory_limit_fraction: the limit as a fraction (0, 1] of the memory of the device the
         function runs on (GPU memory on a GPU, physical RAM otherwise); ``None`` when absolute.
-      disabled_passes: names of passes not to run (the same names ``explain()`` prints).
+      disabled_passes: names of passes not to run (the same names ``explain()`` prints): given as one
+        name or any iterable of names, kept as a frozenset; every name must be a known pass
+        (:func:`known_pass_names`), so a typo is refused instead of leaving the pass on.
       rewrite_non_jit: also rewrite ``tf.function``s compiled without XLA.  Off by default: the
         memory model and the limit are about XLA's buffer assignment.
       strict: raise instead of failing open.  A failing pass or verifier then raises
@@ -44,8 +60,9 @@ class Options(PassOptions):
         and one warning names the pass.  Meant for tests.
       verify: run the graph verifier after every pass (always on in this project's tests).
       max_fixed_point_iterations: cap on repetitions of the whole pipeline while some pass still
-        changes the graph; 1 runs every pass once.
-      dump_dir: if set, the printed graph before and after each pass is written there.
+        changes the graph; an int >= 1 (1 runs every pass once).
+      dump_dir: if set (a folder, ``str`` or ``os.PathLike``, kept as ``str``), the printed graph
+        before and after each pass is written there; ``None``: no dumps.
       calibrate_chunks: before building a loop, compile it on its own with XLA at two chunk sizes
         (never run) and size its chunks from the bytes XLA gives one more row of the split axis,
         instead of from the memory model's count alone (which is kept on the safe side and so
@@ -65,6 +82,10 @@ class Options(PassOptions):
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.
+
+    The switches (``rewrite_non_jit``, ``strict``, ``verify``, ``calibrate_chunks``, ``check_programs``,
+    ``redraw_random``, ``exla_flags``) take ``True`` or ``False`` only: ``"no"``, ``None`` or ``1`` are
+    refused rather than read by truthiness.
     """
 
     memory_limit_bytes: int | None = None
@@ -81,17 +102,32 @@ class Options(PassOptions):
     exla_flags: bool = True
 
     def __post_init__(self):
-        limit = MemoryLimit(bytes=self.memory_limit_bytes, fraction=self.memory_limit_fraction)
-        if limit.bytes is not None and (isinstance(limit.bytes, bool) or limit.bytes <= 0):
-            raise ValueError(f"memory_limit_bytes must be a positive int, got {limit.bytes!r}")
-        if limit.fraction is not None and not 0 < limit.fraction <= 1:
-            raise ValueError(f"memory_limit_fraction must be in (0, 1], got {limit.fraction!r}")
-        if isinstance(self.disabled_passes, str) or not isinstance(self.disabled_passes, frozenset):
-            raise TypeError("disabled_passes must be a frozenset of pass names; "
-                            "pass an iterable of names to tf_memsafe.enable/options")
-        if not isinstance(self.max_fixed_point_iterations, int) or self.max_fixed_point_iterations < 1:
-            raise ValueError("max_fixed_point_iterations must be an int >= 1, "
-                             f"got {self.max_fixed_point_iterations!r}")
+        # Types first, each field on its own, so that the message names the field that is wrong.
+        for name in _SWITCHES:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(_bad(name, value, "True or False"))
+        self._set("memory_limit_bytes", _whole_bytes(self.memory_limit_bytes))
+        self._set("memory_limit_fraction", _fraction(self.memory_limit_fraction))
+        if (self.memory_limit_bytes is None) == (self.memory_limit_fraction is None):
+            raise ValueError("give exactly one of memory_limit_bytes and memory_limit_fraction, got "
+                             f"memory_limit_bytes={self.memory_limit_bytes!r}, "
+                             f"memory_limit_fraction={self.memory_limit_fraction!r}")
+        iterations = self.max_fixed_point_iterations
+        if isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral):
+            raise TypeError(_bad("max_fixed_point_iterations", iterations, "an int >= 1"))
+        if iterations < 1:
+            raise ValueError(_bad("max_fixed_point_iterations", iterations, "an int >= 1"))
+        self._set("max_fixed_point_iterations", int(iterations))
+        self._set("dump_dir", _folder(self.dump_dir))
+        self._set("disabled_passes", _pass_names(self.disabled_passes))
+        problem = describe_unknown_passes(self.disabled_passes)
+        if problem:
+            raise ValueError(f"disabled_passes: {problem}")
+
+    def _set(self, name: str, value) -> None:
+        """Store the checked, normalised value (``np.int64(5)`` -> 5, a ``Path`` -> its ``str``)."""
+        object.__setattr__(self, name, value)
 
     @property
     def memory_limit(self) -> MemoryLimit:
@@ -108,27 +144,128 @@ class Options(PassOptions):
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Options)}
+# The on/off switches, from the annotations (``PassOptions`` and ``Options`` both postpone them, so
+# each is the text "bool"): a switch added to either class is checked without a change here.
+_SWITCHES = tuple(f.name for f in dataclasses.fields(Options) if f.type == "bool")
+
+
+def _bad(field: str, value, accepted: str) -> str:
+    return f"{field} must be {accepted}, got {value!r}"
+
+
+def _memory_limit_hint(value) -> str:
+    """Where a limit given to the wrong field belongs, if ``memory_limit`` would take it."""
+    try:
+        parse_memory_limit(value)
+    except ValueError:
+        return ""
+    return f" (a limit such as {value!r} goes to memory_limit={value!r} of enable() or options())"
+
+
+def _whole_bytes(value) -> int | None:
+    accepted = "None or an int > 0 (bytes)"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(_bad("memory_limit_bytes", value, accepted) + _memory_limit_hint(value))
+    if value <= 0:
+        raise ValueError(_bad("memory_limit_bytes", value, accepted))
+    return int(value)
+
+
+def _fraction(value) -> float | None:
+    accepted = "None or a number in (0, 1] (a fraction of the device's memory)"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(_bad("memory_limit_fraction", value, accepted) + _memory_limit_hint(value))
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError(_bad("memory_limit_fraction", value, accepted))
+    return float(value)
+
+
+def _pass_names(value) -> frozenset[str]:
+    """One name, or any iterable of names, as the frozenset the field holds."""
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, Iterable):
+        names = list(names)
+        if all(isinstance(n, str) for n in names):
+            return frozenset(names)
+    raise TypeError(_bad("disabled_passes", value, "a pass name or an iterable of pass names (str)"))
+
+
+def _folder(value) -> str | None:
+    accepted = "None or a folder path (a non-empty str or os.PathLike)"
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise TypeError(_bad("dump_dir", value, accepted))
+    if not path:
+        raise ValueError(_bad("dump_dir", value, accepted) + "; None turns the dumps off")
+    return path
+
+
+_PASS_NAME = re.compile(r"[a-z][a-z0-9_]*")  # what register_pass accepts
+_known_passes: set[str] = set()
+_known_lock = threading.Lock()
+
+
+def _pass_classes(cls: type = GraphPass) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _pass_classes(sub)
+
+
+def known_pass_names() -> frozenset[str]:
+    """The names ``disabled_passes`` accepts, looked up now: the product's passes
+    (:data:`grappler_ext.pipeline.DEFAULT_ORDER`, imported or not), every registered pass, and the
+    ``name`` of every other :class:`~grappler_ext.pass_base.GraphPass` class defined in this process
+    (a ``Pipeline`` runs unregistered passes too: a test's, a user's own).  A name once known stays
+    known, so options accepted once are accepted again when a scope is re-applied at a trace.
+    """
+    names = set(DEFAULT_ORDER) | set(registered_passes())
+    for cls in _pass_classes():
+        name = getattr(cls, "name", None)  # an abstract pass, or one named per instance, has none
+        if isinstance(name, str) and _PASS_NAME.fullmatch(name):
+            names.add(name)
+    with _known_lock:
+        _known_passes.update(names)
+        return frozenset(_known_passes)
+
+
+def describe_unknown_passes(names: Iterable[str]) -> str | None:
+    """One line naming those of ``names`` no pass has, with close matches and the known passes; ``None``
+    when every name is known."""
+    unknown = sorted(set(names) - _known_passes)  # the common case, every name seen before, costs no scan
+    if unknown:
+        known = known_pass_names()
+        unknown = [n for n in unknown if n not in known]
+    if not unknown:
+        return None
+    guesses = sorted({g for n in unknown for g in difflib.get_close_matches(n, known, n=2)})
+    hint = f" (did you mean {', '.join(map(repr, guesses))}?)" if guesses else ""
+    label = "unknown pass" if len(unknown) == 1 else "unknown passes"
+    return f"{label} {', '.join(map(repr, unknown))}{hint}; known passes: {', '.join(sorted(known))}"
 
 
 def _normalise(overrides: dict) -> dict:
-    """Turn user-facing keyword arguments into Options fields (parsing limits and pass names)."""
+    """Turn user-facing keyword arguments into Options fields (parsing ``memory_limit``); the fields
+    themselves are checked by ``Options``."""
     out = dict(overrides)
     if "memory_limit" in out:
         if "memory_limit_bytes" in out or "memory_limit_fraction" in out:
-            raise TypeError("give memory_limit or memory_limit_bytes/memory_limit_fraction, not both")
+            given = {k: out[k] for k in ("memory_limit_bytes", "memory_limit_fraction") if k in out}
+            raise TypeError(f"give memory_limit or memory_limit_bytes/memory_limit_fraction, not both: got "
+                            f"memory_limit={out['memory_limit']!r} (also enable()'s first argument, "
+                            f"{DEFAULT_MEMORY_LIMIT!r} when not given) and "
+                            + ", ".join(f"{k}={v!r}" for k, v in given.items()))
         limit = parse_memory_limit(out.pop("memory_limit"))
         out["memory_limit_bytes"], out["memory_limit_fraction"] = limit.bytes, limit.fraction
     elif "memory_limit_bytes" in out and "memory_limit_fraction" not in out:
         out["memory_limit_fraction"] = None
     elif "memory_limit_fraction" in out and "memory_limit_bytes" not in out:
         out["memory_limit_bytes"] = None
-    if "disabled_passes" in out:
-        names = out["disabled_passes"]
-        if isinstance(names, str):
-            names = [names]
-        if not isinstance(names, Iterable):
-            raise TypeError(f"disabled_passes must be an iterable of pass names, got {names!r}")
-        out["disabled_passes"] = frozenset(names)
     unknown = sorted(set(out) - _FIELDS)
     if unknown:
         raise TypeError(f"unknown tf_memsafe option(s) {unknown}; known: {sorted(_FIELDS | {'memory_limit'})}")

@@ -47,13 +47,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from grappler_ext.splitter.slicing import dynamic_slice, join_slices
 
-__all__ = ["join_slices", "value_at", "tie_count", "softmax_partials", "Combiner", "Concat", "Sum", "Mean", "Reduce",
-           "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
-           "combiner_for_reduction", "REDUCTION_COMBINERS"]
+__all__ = ["value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat", "Sum", "Mean",
+           "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group", "combiner_for_reduction",
+           "REDUCTION_COMBINERS"]
 
 
 class Combiner(abc.ABC):
@@ -217,6 +218,12 @@ class Extremum(Combiner):
     backward, a slice attaining ``m`` with ``t`` ties receives ``dy * t / T`` and its own
     ``reduce_max`` gradient divides by ``t``: each tied element gets ``dy / T``, as unsplit.
     ``finish`` returns ``[m, T]``; only ``m`` replaces the root's output.
+
+    NaN propagates, as in TensorFlow's own ``reduce_max``/``reduce_min`` (eager, and NumPy): a
+    column with a NaN anywhere is NaN.  XLA:CPU's reductions and ``maximum`` ignore NaNs (measured
+    on TF 2.21: ``reduce_max`` under ``jit_compile`` skips them, ``maximum(1, nan)`` is 1), so each
+    slice's partial carries the NaN itself (:func:`nan_propagating`) and the fold keeps it.  The
+    gradient where the result is NaN is zero here (TensorFlow's is NaN: 0 ties divide 0).
     """
 
     hidden_outputs = 1
@@ -234,7 +241,7 @@ class Extremum(Combiner):
     def _fold(self, carry, partials):
         m, c = carry
         p, t = partials
-        best = self._reduce.op(m, p)
+        best = tf.where(tf.math.is_nan(m) | tf.math.is_nan(p), m + p, self._reduce.op(m, p))   # NaN stays
         zero = tf.zeros_like(c)
         count = tf.where(tf.equal(m, best), c, zero) + tf.where(tf.equal(p, best), t, zero)
         return [best, count]
@@ -253,6 +260,12 @@ class Extremum(Combiner):
         p, t = partials
         share = tf.where(tf.equal(p, m), tf.stop_gradient(t) / total, tf.zeros_like(t))
         return [dy * share, None]
+
+
+def nan_propagating(x: tf.Tensor, extremum: tf.Tensor, axes, keepdims: bool) -> tf.Tensor:
+    """``extremum`` (``x``'s max or min over ``axes``) NaN wherever ``x`` has a NaN over ``axes``, as
+    TensorFlow's reductions give it (XLA's skip NaNs): an ``Extremum`` partial."""
+    return tf.where(tf.reduce_any(tf.math.is_nan(x), axes, keepdims=keepdims), tf.cast(np.nan, x.dtype), extremum)
 
 
 def tie_count(x: tf.Tensor, axes, keepdims: bool, kind: str) -> tf.Tensor:

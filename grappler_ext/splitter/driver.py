@@ -84,6 +84,10 @@ class _Run:
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
+        self.relaxed = False                             # regions with a large joined result allowed
+        self.notes: list = []                            # records of the run, beside the plan's
+        self.pending: list[str] = []                     # the plan's warnings, given when the run ends
+        self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
 
     def figure(self) -> Figure:
         return program_figure(self.checker, self.graph)
@@ -105,6 +109,13 @@ class _Run:
             if at_least <= limit:
                 result.skip([], f"{shown}: left alone; give the tf.function an input_signature with static "
                                 "shapes to split it", code=Code.DYNAMIC_SHAPES)
+                # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
+                self.pending.append(
+                    f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
+                    f"{_mb(limit)} before it runs, and nothing in it is split. Give the tf.function an "
+                    "input_signature with static shapes (or call it on tensors of one shape) to let tf_memsafe "
+                    "check and split it.")
+                self._warn()
                 return result
             # Static tensors over the limit (attention scores beside the dynamic-size sparse update
             # of an embedding) are split; the dynamic ops stay as they are.
@@ -122,31 +133,100 @@ class _Run:
             result.skip([], f"the memory model's {est.peak_bytes:,} B is within the limit, but XLA's figure for "
                             f"the program as written is {figure.bytes:,} B: planned against {planning:,} B "
                             f"(the limit x {est.peak_bytes / figure.bytes:.2f})", code=Code.PLANNED_LOWER)
+            self.entry_over = (figure.bytes, f"the memory model counts {_mb(est.peak_bytes)}")
             limit = planning
         if est.peak_bytes is None and not est.dynamic_tensors:
             # No estimate (an op without a byte rule): split only what is over the limit on its own
             # terms -- the parameters, the outputs and the largest tensor together -- never a
             # program that may well fit.
             floor = analysis.floor(est, info)
-            if floor <= limit:
-                why = "its loops are already split" if est.unknown_ops and analysis.is_ours(est.unknown_ops) else \
-                    f"the memory model cannot estimate it ({est.reason})"
+            ours = bool(est.unknown_ops) and analysis.is_ours(est.unknown_ops)
+            # Where the model cannot say (an op without a byte rule: a conditional, ...), XLA's figure
+            # decides; a program whose only unknown ops are our own loops was checked when they were built.
+            figure = self.figure() if floor <= limit and not ours else Figure()
+            if floor <= limit and not figure.over(limit):
+                why = "its loops are already split" if ours else f"the memory model cannot estimate it ({est.reason})"
                 result.skip([], f"{why}; the largest tensor left with the inputs and outputs, {floor:,} B, is "
-                                f"within the limit of {limit:,} B", code=Code.NO_ESTIMATE)
+                                f"within the limit of {limit:,} B{figure.note()}", code=Code.NO_ESTIMATE)
                 return result
+            if figure.known:
+                result.skip([], f"the memory model cannot estimate it ({est.reason}), and XLA's figure for the program "
+                                f"as written is {figure.bytes:,} B, over the limit of {limit:,} B: its large tensors "
+                                "are split", code=Code.OVER_BY_XLA)
+                self.entry_over = (figure.bytes, f"the memory model has no rule for it ({est.reason})")
         # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
         own = graph_edit.journaled(graph_edit.Journal()) if graph_edit.active_journal() is None else \
             contextlib.nullcontext()
         with own:
             self._split(est, info, limit)
+        if self.entry_over and not result.changed and not self.pending:
+            # Over by XLA's figure, and no loop built nor warning given on the way: never silently.
+            figure, why = self.entry_over
+            stuck = [r for r in result.records if r.code in CANNOT_SPLIT]
+            what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck
+                    else "no tensor in it is large enough for a loop of its own")
+            self.pending.append(
+                f"`{self.graph.name}` needs {_mb(figure)} by XLA's figure, over its limit of {_mb(self.limit)}; "
+                f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
+                "smaller pieces.")
+        self._warn()
         return result
 
+    def _warn(self) -> None:
+        """The plan's warnings, each once, pointing at the pipeline that ran the pass."""
+        for message in dict.fromkeys(self.pending):
+            warnings.warn(f"tf_memsafe: {message}", RuntimeWarning, stacklevel=4)
+
     def _split(self, est, info, limit) -> None:
-        """Split the large tensors planning against ``limit``; while XLA's figure for the program as
-        split is over the user's limit, undo and plan again against a lower one (``Tuning.replans``
-        times at most), keeping the best plan."""
+        """Split the large tensors planning against ``limit`` (:meth:`_planned`); where the limit
+        cannot be met and a region was refused only because its joined result is large for the
+        limit, plan again with such regions allowed and keep whichever program is smaller, so that
+        a lower limit never leaves a larger program than a higher one would (best effort is
+        monotonic).  Then record the plan and give its warnings, once."""
         journal = graph_edit.active_journal()
-        result, wanted, t = self.result, self.limit, self.tuning
+        result, wanted = self.result, self.limit
+        mark = len(journal)
+        tried, after, measured = self._planned(est, info, limit)
+        failed = self.pending or (measured is not None and measured > wanted)
+        if failed and any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
+            first_warnings = list(self.pending)
+            figure = measured if measured is not None else self.figure().bytes
+            first_bytes = figure if figure is not None else after
+            journal.undo(to=mark)
+            self.relaxed = True
+            tried, after, measured = self._planned(est, info, limit)
+            self.relaxed = False
+            figure = measured if measured is not None else self.figure().bytes
+            relaxed_bytes = figure if figure is not None else after
+            smaller = relaxed_bytes is not None and (first_bytes is None or relaxed_bytes < first_bytes)
+            if smaller:
+                tried.skip([], f"the limit cannot be met: regions whose joined result is large for the limit "
+                               f"allowed, {relaxed_bytes:,} B" + (f" (planned as usual: {first_bytes:,} B)"
+                                                                  if first_bytes is not None else ""),
+                           code=Code.LARGE_JOINS_ALLOWED)
+                measured = figure if measured is None else measured
+            else:
+                journal.undo(to=mark)
+                tried, after, measured = self._planned(est, info, limit)
+                self.pending = first_warnings
+        result.records += self.notes + tried.records
+        if measured is not None and measured > wanted and not self.pending:
+            result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
+                            "nothing left to split", code=Code.STILL_OVER)
+            self.pending.append(
+                f"`{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
+                f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
+                "usefully. It will run as well as it can; raise memory_limit.")
+
+    def _planned(self, est, info, limit):
+        """One plan, checked: the large tensors split against ``limit``; while XLA's figure for the
+        program as split is over the user's limit, undone and planned again against a lower one
+        (``Tuning.replans`` times at most), keeping the best; starved gradient loops grown.  Returns
+        the plan's records, the model's bytes as split and XLA's figure (``None``: not measured);
+        notes on the way go to ``self.notes``, warnings to ``self.pending``."""
+        journal = graph_edit.active_journal()
+        wanted, t = self.limit, self.tuning
+        self.notes = []
         best = None                 # (XLA's figure, the planning limit) of the best plan measured
         for attempt in range(t.replans + 1):
             mark = len(journal)
@@ -157,8 +237,8 @@ class _Run:
             if best is not None and measured >= best[0]:
                 # Smaller chunks did not help (what is over is not in a loop): the best plan again.
                 journal.undo(to=mark)
-                result.skip([], f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
-                                f"planned against {best[1]:,} B again", code=Code.REPLAN_NO_BETTER)
+                self.notes.append(self._note(f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
+                                             f"planned against {best[1]:,} B again", Code.REPLAN_NO_BETTER))
                 limit = best[1]
                 tried = PassResult(self.name)
                 after, measured = self._split_large(est, info, limit, tried)
@@ -170,19 +250,18 @@ class _Run:
             # the planning limit scaled by the share XLA's figure is over.
             lower = int(limit * wanted / measured * t.replan_margin)
             journal.undo(to=mark)
-            result.skip([], f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is {measured:,} B, "
-                            f"over the limit of {wanted:,} B: planned again against {lower:,} B", code=Code.REPLANNED)
+            self.notes.append(self._note(f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is "
+                                         f"{measured:,} B, over the limit of {wanted:,} B: planned again against "
+                                         f"{lower:,} B", Code.REPLANNED))
             limit = lower
         if measured is None or measured <= wanted:
             tried, after, measured = self._grown_backward(est, info, limit, mark, tried, after, measured)
-        result.records += tried.records
-        if measured is not None and measured > wanted:
-            result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
-                            "nothing left to split", code=Code.STILL_OVER)
-            warnings.warn(
-                f"tf_memsafe: `{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
-                f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
-                "usefully. It will run as well as it can; raise memory_limit.", RuntimeWarning, stacklevel=4)
+        return tried, after, measured
+
+    def _note(self, reason: str, code: Code):
+        """A record of the run (not of one plan's attempt)."""
+        note = PassResult(self.name)
+        return note.skip([], reason, code=code)
 
     def _grown_backward(self, est, info, limit, mark, tried, after, measured):
         """The plan ``tried`` (built since the journal's ``mark``) again with its starved gradient loops
@@ -206,12 +285,14 @@ class _Run:
             return tried, after, measured
         journal = graph_edit.active_journal()
 
+        first_warnings = list(self.pending)
+
         def replan():
             journal.undo(to=mark)
             again = PassResult(self.name)
-            with warnings.catch_warnings():        # the first plan's warnings were given
-                warnings.simplefilter("ignore", RuntimeWarning)
-                return (again, *self._split_large(est, info, limit, again))
+            planned = self._split_large(est, info, limit, again)
+            self.pending = first_warnings        # the first plan's warnings are the ones given
+            return (again, *planned)
 
         self.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
         try:
@@ -239,7 +320,7 @@ class _Run:
         nothing split) and XLA's figure for the program as split, where it was worth measuring and
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
-        self.loop_bytes, self.program_sized, self.starved = {}, 0, {}
+        self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
@@ -313,8 +394,8 @@ class _Run:
         return after, self.figure().bytes
 
     def _warn_cannot_fit(self, est, worst, needed, after, limit, result) -> None:
-        """XLA's figure has the last word; if it is over too (or unknown), one warning: what the
-        program needs, the limit, and the record that could not be helped."""
+        """XLA's figure has the last word; if it is over too (or unknown), one warning (pending until
+        the run ends): what the program needs, the limit, and the record that could not be helped."""
         # The model's count of a program this far from it is the least sure (a Transformer's
         # training step at L = 16384: 4.7 GB as split by the model, 1.9 GB by XLA).
         figure = self.figure()
@@ -330,10 +411,10 @@ class _Run:
             f" ({xla} as split)" if xla else "")
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
                 else f"the splitter could only reduce it: {worst.reason}")
-        warnings.warn(
-            f"tf_memsafe: `{self.graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
+        self.pending.append(
+            f"`{self.graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
             f"{_mb(limit)}{scaled}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
-            "that op's input in smaller pieces.", RuntimeWarning, stacklevel=6)
+            "that op's input in smaller pieces.")
 
 
 class _Region:
@@ -393,7 +474,8 @@ class _Region:
         sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
         if run.calibrator is not None and chunks.steps >= 2 and not best.remat:   # a recomputation's two steps stay
             sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
-                                      lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c))
+                                      lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
+                                      large_joins=run.relaxed)
             if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)
@@ -470,7 +552,7 @@ class _Region:
                 grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, self.backward,
                                                           t.slice_share * self.budget, t.prologue_share,
                                                           t.prologue_ops, t.prologue_min_bytes)
-            planned = policy.plan(options, grown, beside, self.budget, t)
+            planned = policy.plan(options, grown, beside, self.budget, t, large_joins=self.run.relaxed)
             if isinstance(planned, Why):
                 reasons.append(planned)
                 continue

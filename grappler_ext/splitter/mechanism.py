@@ -69,7 +69,9 @@ def _root_part(option, plan: ChunkPlan):
             return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
         if extremum:
             axes = const_axes(root.inputs[1], root.inputs[0].shape.rank)
-            return [outs[0], combiners.tie_count(ins[0], axes, root.get_attr("keep_dims"), kind)]
+            keep = root.get_attr("keep_dims")
+            return [combiners.nan_propagating(ins[0], outs[0], axes, keep),
+                    combiners.tie_count(ins[0], axes, keep, kind)]
         return outs
 
     if extremum:

@@ -23,12 +23,14 @@ class Code(str, enum.Enum):
     NO_ESTIMATE = "no_estimate"              # the model cannot estimate it; nothing is over on its own
     # Notes on how a plan was made.
     PLANNED_LOWER = "planned_lower"          # XLA's figure for the program as written is over: a lower limit
+    OVER_BY_XLA = "over_by_xla"              # the model cannot estimate it; XLA's figure is over: split it
     GRADIENTS_AS_TRACED = "gradients_as_traced"  # gradients inside cannot be rebuilt: they hold the region
     CHECKED_OVER = "checked_over"            # within by the model after a split, over by XLA's: split the rest
     CHECKED_WITHIN = "checked_within"        # over by the model's count, within by XLA's figure
     REPLANNED = "replanned"                  # the split program over by XLA's figure: planned again, lower
     REPLAN_NO_BETTER = "replan_no_better"    # planning lower did not help: the best plan again
     STILL_OVER = "still_over"                # over by XLA's figure as split, nothing left to split
+    LARGE_JOINS_ALLOWED = "large_joins_allowed"  # the limit cannot be met: large joined results allowed, smaller
     GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left
     NOT_GROWN = "not_grown"                  # ... or not, and why
     # A large tensor not split (the "cannot split" records: :data:`CANNOT_SPLIT`).

@@ -108,12 +108,13 @@ def background(beside: Beside, at: list[int], grown: Grown) -> int:
 
 
 def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
-         measured: float | None = None) -> Planned | Why:
+         measured: float | None = None, large_joins: bool = False) -> Planned | Why:
     """The forward plan, the backward's chunk, a best effort and the bytes a unit of the split axis
     costs in the forward and the backward loop's body; or why no split helps.
 
     ``measured``: the bytes a unit costs the forward loop by XLA's figure (see :func:`calibrated`),
-    used instead of the memory model's count."""
+    used instead of the memory model's count.  ``large_joins``: a joined result over half the limit
+    is planned (a best effort then) instead of refused -- for programs whose limit cannot be met."""
     est, info = beside.est, beside.info
     region = grown.region
     length = region.length
@@ -142,7 +143,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     root_out = sum(nbytes(t) for o in options for t in o.root.outputs)
     joined = joined_bytes(options)
     described = options[0].describe()
-    if joined > budget / 2:
+    if joined > budget / 2 and not large_joins:
         # Slices joined into a result this large save nothing: what reads the result must be
         # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
         return Why(Code.JOINED_TOO_LARGE, f"{described}: its joined result ({joined:,} B) is over half the limit")
@@ -243,7 +244,7 @@ def rest_beside(grown: Grown, beside: Beside, limit: int, tuning: Tuning) -> int
 
 
 def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget: int, tuning: Tuning,
-               loop_figure: Callable[[int], int]) -> Sized:
+               loop_figure: Callable[[int], int], large_joins: bool = False) -> Sized:
     """The plan again, its chunk sized from XLA's figure for the loop (``loop_figure(chunk)``: the
     loop alone compiled at that chunk, never run); or the plan as it was, with why.
 
@@ -273,7 +274,7 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
             fitted = None
         if fitted is not None:
             return fitted
-    again = plan(options, grown, beside, budget, tuning, measured=per_row)
+    again = plan(options, grown, beside, budget, tuning, measured=per_row, large_joins=large_joins)
     if isinstance(again, Why):
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_MEASURED_REFUSED, detail=again.text)
     new = again.chunks

@@ -9,6 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+import tf_memsafe
+from grappler_ext.pipeline import DEFAULT_ORDER
+
 PROG = "python -m tf_memsafe"
 
 SCRIPT = textwrap.dedent("""\
@@ -93,6 +96,18 @@ def test_bad_memory_limit_names_the_accepted_forms(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_unknown_pass_is_one_line_error_and_the_script_does_not_run(tmp_path):
+    """Issue 27, item 5: a typo in --disable-pass used to run the splitter anyway, with exit status 0."""
+    (tmp_path / "script.py").write_text("print('must not run')\n")
+    proc = run_cli("--memory-limit", "4GB", "--disable-pass", "spliter", "script.py", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert our_lines(proc.stderr) == [
+        f"{PROG}: error: argument --disable-pass: unknown pass 'spliter' (did you mean 'splitter'?); "
+        f"known passes: {', '.join(sorted(DEFAULT_ORDER))} (see --help)"]
+    assert "Traceback" not in proc.stderr
+
+
 class TestInProcess:
     """Argument handling that exits before anything runs: no process needed."""
 
@@ -109,6 +124,29 @@ class TestInProcess:
             raise AssertionError("main() accepted --bogus")
         err = capsys.readouterr().err
         assert err == f"{PROG}: error: unrecognized arguments: --bogus (see --help)\n"
+
+    def test_unknown_pass_is_refused_while_parsing(self, tmp_path, capsys):
+        from tf_memsafe.__main__ import main
+
+        script = tmp_path / "script.py"
+        script.write_text("raise SystemExit('must not run')\n")
+        try:
+            main(["--disable-pass", "splitter", "--disable-pass", "no_such_pass", str(script)])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError("main() accepted --disable-pass no_such_pass")
+        assert not tf_memsafe.is_enabled()
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"{PROG}: error: argument --disable-pass: unknown pass 'no_such_pass'; known passes: ")
+        assert all(name in line for name in DEFAULT_ORDER)
+
+    def test_known_pass_names_are_taken(self):
+        from tf_memsafe.__main__ import _parser
+
+        parser, _ = _parser()
+        args = parser.parse_args(["--disable-pass", "splitter", "--disable-pass", "matrix_chain", "s.py"])
+        assert args.disable_pass == ["splitter", "matrix_chain"]
 
     def test_split_ends_our_options_at_the_script_or_after_the_module(self):
         from tf_memsafe.__main__ import _parser, _split

@@ -1,12 +1,18 @@
 """Options: the frozen dataclass, enable()/disable(), and thread-local nestable scopes."""
 
 import dataclasses
+import gc
+import pathlib
 import threading
 
+import numpy as np
 import pytest
 
 import tf_memsafe
-from tf_memsafe.config import Options, make_options
+from grappler_ext import pipeline
+from grappler_ext.pass_base import GraphPass, PassResult
+from tf_memsafe import config
+from tf_memsafe.config import Options, describe_unknown_passes, known_pass_names, make_options
 
 
 class TestOptionsDataclass:
@@ -33,7 +39,7 @@ class TestOptionsDataclass:
     @pytest.mark.parametrize("kwargs, error", [
         (dict(memory_limit="4 gigs"), ValueError),
         (dict(memory_limit_bytes=0), ValueError),
-        (dict(memory_limit_bytes=True), ValueError),
+        (dict(memory_limit_bytes=True), TypeError),
         (dict(memory_limit_fraction=1.5), ValueError),
         (dict(max_fixed_point_iterations=0), ValueError),
         (dict(memory_limit="1GB", memory_limit_bytes=5), TypeError),
@@ -45,8 +51,135 @@ class TestOptionsDataclass:
             make_options(**kwargs)
 
     def test_disabled_passes_accepts_a_name_or_names(self):
-        assert make_options(disabled_passes="a").disabled_passes == frozenset({"a"})
-        assert make_options(disabled_passes=["a", "b", "a"]).disabled_passes == frozenset({"a", "b"})
+        assert make_options(disabled_passes="splitter").disabled_passes == frozenset({"splitter"})
+        assert make_options(disabled_passes=["splitter", "matrix_chain", "splitter"]).disabled_passes == frozenset(
+            {"splitter", "matrix_chain"})
+        assert Options(disabled_passes=["splitter"]).disabled_passes == frozenset({"splitter"})
+
+
+# Issue 27, item 5: each bad value, the field its message must name, and words of what is accepted.
+BAD_VALUES = [
+    (dict(disabled_passes=["spliter"]), ValueError, "disabled_passes", ["'spliter'", "did you mean 'splitter'",
+                                                                        "known passes: ", "matrix_chain"]),
+    (dict(disabled_passes=[1]), TypeError, "disabled_passes", ["[1]", "pass name"]),
+    (dict(disabled_passes=3), TypeError, "disabled_passes", ["got 3", "pass name"]),
+    (dict(strict="no"), TypeError, "strict", ["'no'", "True or False"]),
+    (dict(verify=None), TypeError, "verify", ["None", "True or False"]),
+    (dict(verify=1), TypeError, "verify", ["got 1", "True or False"]),
+    (dict(redraw_random="yes"), TypeError, "redraw_random", ["'yes'", "True or False"]),
+    (dict(dump_dir=123), TypeError, "dump_dir", ["123", "None or a folder path"]),
+    (dict(dump_dir=""), ValueError, "dump_dir", ["''", "None turns the dumps off"]),
+    (dict(max_fixed_point_iterations=True), TypeError, "max_fixed_point_iterations", ["True", "an int >= 1"]),
+    (dict(max_fixed_point_iterations=2.0), TypeError, "max_fixed_point_iterations", ["2.0", "an int >= 1"]),
+    (dict(max_fixed_point_iterations=0), ValueError, "max_fixed_point_iterations", ["got 0", "an int >= 1"]),
+    (dict(memory_limit_bytes="8MB"), TypeError, "memory_limit_bytes", ["'8MB'", "int > 0", "memory_limit='8MB'"]),
+    (dict(memory_limit_bytes=True), TypeError, "memory_limit_bytes", ["True", "int > 0"]),
+    (dict(memory_limit_bytes=-5), ValueError, "memory_limit_bytes", ["-5", "int > 0"]),
+    (dict(memory_limit_fraction="80%"), TypeError, "memory_limit_fraction", ["'80%'", "(0, 1]", "memory_limit='80%'"]),
+    (dict(memory_limit_fraction=float("nan")), ValueError, "memory_limit_fraction", ["nan", "(0, 1]"]),
+]
+BAD_IDS = [f"{next(iter(kw))}={next(iter(kw.values()))!r}" for kw, *_ in BAD_VALUES]
+
+
+class TestBadValuesAreRefusedWhereTheOptionsAreMade:
+    """A bad value raises when the options are made, naming the field, the value and what it accepts."""
+
+    @pytest.mark.parametrize("kwargs, error, field, words", BAD_VALUES, ids=BAD_IDS)
+    def test_make_options(self, kwargs, error, field, words):
+        with pytest.raises(error) as info:
+            make_options(**kwargs)
+        message = str(info.value)
+        assert message.startswith(field) and "\n" not in message
+        for word in words:
+            assert word in message
+
+    @pytest.mark.parametrize("kwargs, error, field, words", BAD_VALUES, ids=BAD_IDS)
+    def test_options_dataclass(self, kwargs, error, field, words):
+        if "memory_limit_bytes" in kwargs:  # the dataclass has no memory_limit: give one limit field only
+            kwargs = {**kwargs, "memory_limit_fraction": None}
+        with pytest.raises(error, match=f"^{field}"):
+            Options(**kwargs)
+
+    @pytest.mark.parametrize("kwargs, error, field, words", BAD_VALUES, ids=BAD_IDS)
+    def test_options_scope_raises_at_the_with_line(self, kwargs, error, field, words):
+        before = tf_memsafe.get_options()
+        with pytest.raises(error, match=f"^{field}"):
+            with tf_memsafe.options(**kwargs):
+                pytest.fail("body must not run")
+        assert tf_memsafe.get_options() == before
+
+    @pytest.mark.parametrize("kwargs, error, field, words", [c for c in BAD_VALUES if "limit" not in c[2]],
+                             ids=[i for c, i in zip(BAD_VALUES, BAD_IDS) if "limit" not in c[2]])
+    def test_enable_raises_and_enables_nothing(self, kwargs, error, field, words):
+        before = tf_memsafe.get_options()
+        with pytest.raises(error, match=f"^{field}"):
+            tf_memsafe.enable("8MB", **kwargs)
+        assert not tf_memsafe.is_enabled()
+        assert tf_memsafe.get_options() == before
+
+    def test_a_limit_field_beside_memory_limit_names_both(self):
+        with pytest.raises(TypeError, match="not both") as info:
+            tf_memsafe.enable(memory_limit_bytes="8MB")
+        assert "memory_limit='80%'" in str(info.value) and "memory_limit_bytes='8MB'" in str(info.value)
+        assert not tf_memsafe.is_enabled()
+
+    def test_every_field_is_checked(self):
+        """A field added to Options or PassOptions without a check fails here."""
+        for field in dataclasses.fields(Options):
+            with pytest.raises(TypeError, match=f"^{field.name} must be"):
+                Options(**{field.name: object()})
+
+    def test_unknown_passes_are_all_named(self):
+        with pytest.raises(ValueError, match="unknown passes 'nope', 'spliter'"):
+            make_options(disabled_passes=["splitter", "spliter", "nope"])
+
+
+class TestGoodValues:
+    def test_every_product_pass_can_be_disabled(self):
+        assert make_options(disabled_passes=pipeline.DEFAULT_ORDER).disabled_passes == frozenset(
+            pipeline.DEFAULT_ORDER)
+        opts = tf_memsafe.enable("8MB", disabled_passes=["splitter"], strict=False, verify=True,
+                                 max_fixed_point_iterations=1, dump_dir=None)
+        assert opts.disabled_passes == frozenset({"splitter"}) and opts.verify and opts.memory_limit_bytes == 8 * 10**6
+
+    def test_numbers_and_paths_are_kept_as_the_field_types(self, tmp_path):
+        opts = make_options(memory_limit_bytes=np.int64(5), max_fixed_point_iterations=np.int32(2),
+                            dump_dir=tmp_path)
+        assert opts.memory_limit_bytes == 5 and type(opts.memory_limit_bytes) is int
+        assert opts.max_fixed_point_iterations == 2 and type(opts.max_fixed_point_iterations) is int
+        assert opts.dump_dir == str(tmp_path) and isinstance(pathlib.Path(opts.dump_dir), pathlib.Path)
+        opts = make_options(memory_limit_fraction=np.float32(0.5))
+        assert opts.memory_limit_fraction == 0.5 and type(opts.memory_limit_fraction) is float
+
+    @pytest.fixture(autouse=True)
+    def _forget_test_names(self, monkeypatch):
+        """The names these tests make known stay known only for the test."""
+        monkeypatch.setattr(config, "_known_passes", set(config._known_passes))
+
+    def test_a_registered_pass_is_known(self, monkeypatch):
+        assert describe_unknown_passes(["plugin_pass"]) is not None
+        monkeypatch.setitem(pipeline._REGISTRY, "plugin_pass", GraphPass)
+        assert "plugin_pass" in known_pass_names()
+        assert make_options(disabled_passes=["plugin_pass"]).disabled_passes == frozenset({"plugin_pass"})
+
+    def test_an_unregistered_pass_class_is_known_and_stays_known(self):
+        """A Pipeline runs unregistered passes (a test's, a user's); once accepted, a name stays accepted
+        (a scope is re-applied at every trace)."""
+
+        def define():
+            class LocalPass(GraphPass):
+                name = "local_options_test_pass"
+
+                def run(self, graph, options):
+                    return PassResult(self.name)
+
+            return LocalPass
+
+        define()
+        with tf_memsafe.options(disabled_passes=["local_options_test_pass"]):
+            gc.collect()  # the class is gone
+            assert tf_memsafe.get_options().disabled_passes == frozenset({"local_options_test_pass"})
+        assert make_options(disabled_passes=["local_options_test_pass"])
 
 
 class TestEnable:

@@ -47,12 +47,11 @@ from grappler_ext.splitter.combiners import (
     Sum,
     TopK,
     combiner_for_reduction,
-    join_slices,
     softmax_partials,
     tie_count,
     value_at,
 )
-from grappler_ext.splitter.slicing import dynamic_slice
+from grappler_ext.splitter.slicing import dynamic_slice, join_slices
 
 F16, F32, F64, BOOL = tf.float16, tf.float32, tf.float64, tf.bool
 I8, U8, I32, I64 = tf.int8, tf.uint8, tf.int32, tf.int64

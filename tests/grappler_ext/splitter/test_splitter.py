@@ -338,6 +338,34 @@ def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
         np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
 
 
+def test_nan_in_a_split_max_or_min_propagates_as_in_tensorflow(monkeypatch):
+    """TensorFlow's reduce_max/min propagate NaN (eagerly, like NumPy), while XLA:CPU's skip it: the
+    split program follows TensorFlow.  Column max and min of a [3000, 2000] f64 matrix (48 MB) with a
+    NaN every 99,991 elements (61 NaNs in as many columns), over row slices: NaN exactly in those
+    columns, every other column equal to TensorFlow's."""
+    offered = analysis.root_options
+    monkeypatch.setattr(analysis, "root_options",
+                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+    x, y = points(3000, 3, tf.float64), points(2000, 3, tf.float64, seed=1)
+
+    def extremes(x, y):
+        k = -sq_dist(x, y)                                                     # [N, M]
+        index = tf.range(3000)[:, None] * 2000 + tf.range(2000)[None, :]
+        k = tf.where(tf.equal(index % 99991, 0), tf.constant(np.nan, tf.float64), k)
+        return tf.reduce_max(k, axis=0), tf.reduce_min(tf.exp(k), axis=0)     # [M], [M]
+
+    expected = extremes(x, y)                                                   # TensorFlow's, eagerly
+    assert 50 < np.isnan(expected[0].numpy()).sum() < 100
+    tf_memsafe.enable(8 * 10**6, strict=True)
+    with splitter_only():
+        got = tf.function(extremes, jit_compile=True)(x, y)
+    (record,) = rewrites()
+    assert record.plan.describe() == "`Max` max over input 0 axis 0 and `Min` min"
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(np.isnan(g.numpy()), np.isnan(e.numpy()))
+        np.testing.assert_allclose(g, e, rtol=1e-12)                            # NaN where NaN
+
+
 def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     """softmax(q k^T / 8) v with 64 queries and 20000 keys: scores [64, 20000] f64 = 10 MB.  Here
     only the key split is offered (row splits, which the planner prefers here, are withheld), so
