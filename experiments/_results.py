@@ -1,4 +1,9 @@
-"""Writing a benchmark's rows: one CSV column per field of its row dataclass, and a JSON copy."""
+"""Where a benchmark writes, and its rows: one CSV column per field of its row dataclass, and a JSON copy.
+
+A full run writes to ``experiments/results`` (the committed results); a ``--quick`` smoke run to
+``experiments/results/quick`` (ignored by git), so that trying the quick check never overwrites
+the measured tables.  ``--out`` chooses the folder explicitly.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,17 @@ import dataclasses
 import json
 import os
 
-__all__ = ["write_outputs"]
+__all__ = ["write_outputs", "results_dir", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
+
+RESULTS = os.path.join("experiments", "results")
+QUICK_RESULTS = os.path.join(RESULTS, "quick")
+OUT_HELP = f"results folder (default {RESULTS}; with --quick, {QUICK_RESULTS}, never the committed results)"
+
+
+def results_dir(out: str | None, quick: bool) -> str:
+    """``out`` if given, else the committed results folder for a full run and its ``quick/`` subfolder
+    for a smoke run."""
+    return out if out else (QUICK_RESULTS if quick else RESULTS)
 
 
 def write_outputs(rows: list, row_type: type, stem: str, meta: dict) -> None:

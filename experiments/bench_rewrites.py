@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import write_outputs
+from experiments._results import OUT_HELP, results_dir, write_outputs
 from grappler_ext.pipeline import DEFAULT_ORDER
 from tf_memsafe import hook
 
@@ -182,11 +182,12 @@ def plot(rows: list[Row], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default=os.path.join("experiments", "results"))
+    parser.add_argument("--out", help=OUT_HELP)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--run-limit", default="8GB", help="run (and time) only programs that fit this")
     parser.add_argument("--workloads", nargs="*", help="names of the workloads to run (default: all)")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
     run_limit = tf_memsafe.parse_memory_limit(args.run_limit).resolve(0)
 
     import gpflow

@@ -44,6 +44,7 @@ import tensorflow as tf
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments import _methods as m
 from experiments import overhead
+from experiments._results import OUT_HELP, results_dir
 
 KERNELS = ("gaussian", "matern32")
 TARGET_SPEED = 0.95          # tf_memsafe / hand-written rows per second
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     size = lambda text: int(float(text))
     parser.add_argument("--quick", action="store_true",
                         help="smoke preset: n 2000 and 8000, 1000 rows, d 3 and 40, uniform data, limit 4MB")
-    parser.add_argument("--out", default=os.path.join("experiments", "results"))
+    parser.add_argument("--out", help=OUT_HELP)
     parser.add_argument("--limit", help="tf_memsafe's memory limit and the hand-written loop's (default 1GB)")
     parser.add_argument("--run-limit", default="8GB", help="run a TF method only if its footprint fits this")
     parser.add_argument("--sizes", nargs="+", type=size, help="n, the number of points (default 1e4 1e5 1e6)")
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, help="timed calls after the warm-up (default 5; 1 with --quick)")
     parser.add_argument("--ref-rows", type=int, help="rows the NumPy reference computes (default 1000)")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
     quick = args.quick
     limit = tf_memsafe.parse_memory_limit(args.limit or ("4MB" if quick else "1GB")).resolve(0)
     run_limit = tf_memsafe.parse_memory_limit(args.run_limit).resolve(0)

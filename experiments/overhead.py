@@ -81,7 +81,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import write_outputs
+from experiments._results import OUT_HELP, results_dir, write_outputs
 from grappler_ext.pipeline import DEFAULT_ORDER
 from grappler_ext.splitter import LoopPlan
 from tf_memsafe import hook
@@ -685,13 +685,14 @@ def table(rows: list[Row]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and 2 repeats, for a smoke run")
-    parser.add_argument("--out", default=os.path.join("experiments", "results"))
+    parser.add_argument("--out", help=OUT_HELP)
     parser.add_argument("--repeats", type=int, help="timed calls of each function (default 7; 2 with --quick)")
     parser.add_argument("--run-limit", default="4GB", help="run the naive program only if it fits this")
     parser.add_argument("--workloads", nargs="*", help="names of the workloads to run (default: all)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="forward functions, whole training steps, or both (default)")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
     repeats = args.repeats or (2 if args.quick else 7)
     run_limit = tf_memsafe.parse_memory_limit(args.run_limit).resolve(0)
 

@@ -9,7 +9,8 @@ Runs the experiments of :data:`EXPERIMENTS` in turn, in this process, each throu
 its key numbers read from its JSON file, and its plot, then the same for each further run of it kept
 in a folder ``OUT/<stem>_<what>/`` (SGPR's training to convergence, a timing measured again alone).
 The summary covers every experiment whose results are in OUT, not only those run now; one without
-results gets "not run: <command>".
+results gets "not run: <command>".  OUT is ``experiments/results`` by default, and with ``--quick``
+``experiments/results/quick`` (ignored by git): a smoke run never overwrites the committed results.
 
 An experiment that raises or returns non-zero is reported in the summary with the error's last
 line (the traceback goes to stderr), the others still run, and the report exits with 1; so it
@@ -37,10 +38,8 @@ import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments import _methods as m
+from experiments._results import QUICK_RESULTS, RESULTS, results_dir
 from tf_memsafe import hook
-
-DEFAULT_OUT = os.path.join("experiments", "results")
-
 
 # ---------------------------------------------------------------- Markdown
 
@@ -370,7 +369,7 @@ def results_path(exp: Experiment, out: str, quick: bool) -> str | None:
 
 def command(exp: Experiment, out: str, quick: bool) -> str:
     return " ".join(["python -m", exp.module, *(["--quick"] if quick else []),
-                     *(["--out", out] if os.path.normpath(out) != DEFAULT_OUT else [])])
+                     *(["--out", out] if os.path.normpath(out) != results_dir(None, quick) else [])])
 
 
 def machine_line() -> str:
@@ -490,12 +489,14 @@ def main(argv=None) -> int:
     names = [e.name for e in EXPERIMENTS]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to every experiment (smoke sizes)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="results folder of every experiment and of SUMMARY.md")
+    parser.add_argument("--out", help=f"results folder of every experiment and of SUMMARY.md (default {RESULTS}; "
+                        f"with --quick, {QUICK_RESULTS}: a smoke run never overwrites the committed results)")
     parser.add_argument("--only", nargs="+", choices=names, metavar="NAME", help=f"run only these: {', '.join(names)}")
     parser.add_argument("--skip", nargs="+", choices=names, metavar="NAME", default=[], help="do not run these")
     parser.add_argument("--summary-only", action="store_true",
                         help="run nothing: rebuild SUMMARY.md from the JSON files in --out")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
     chosen = [e for e in EXPERIMENTS if (not args.only or e.name in args.only) and e.name not in args.skip]
     outcomes: dict[str, Outcome] = {}
     if not args.summary_only:

@@ -87,6 +87,7 @@ import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments import _methods as m
+from experiments._results import OUT_HELP, results_dir
 from tf_memsafe import hook, xla_flags
 
 KERNELS = {"se": "SquaredExponential", "matern32": "Matern32"}
@@ -729,7 +730,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="smoke preset: se kernel, N 2000 and 4000, M 50 and 100, limit 3MB, 10 iterations at "
                              "N 2000")
-    parser.add_argument("--out", default=os.path.join("experiments", "results"))
+    parser.add_argument("--out", help=OUT_HELP)
     parser.add_argument("--limit", help="tf_memsafe's memory limit (default 1GB)")
     parser.add_argument("--run-limit", default="8GB", help="run the naive program only if its footprint fits this")
     parser.add_argument("--sizes", nargs="+", type=size, help="N, training points (default 1e4 3e4 1e5 3e5 1e6)")
@@ -756,6 +757,7 @@ def main(argv=None) -> int:
     parser.add_argument("--note", help="a remark on how the run was made, written into the JSON's note (an earlier "
                                        "run's remark is kept with --resume unless this replaces it)")
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
     if args.redo and not args.resume:
         parser.error("--redo measures points of an earlier run again: it needs --resume")
     quick = args.quick

@@ -5,6 +5,11 @@ used" from the memory-usage report of XLA's buffer assignment: the bytes the com
 needs for its parameters, outputs, constants and temporaries.  That figure is deterministic,
 which makes it the project's yardstick in tests, benchmarks and reports.
 
+A program that captures a variable not initialized yet (one created in the very trace the hook is
+measuring, such as a Keras optimizer's slots at its first step) is refused with a
+``MeasurementError`` before XLA is asked, never tried: XLA's failure there prints a C++ stack trace
+to the process's stderr (the user's terminal) before the error reaches Python.
+
 :func:`peak_memory` runs the function and reads TensorFlow's allocator statistics for the device;
 on the CPU the allocator rounds regions up, so it is an upper bound of XLA's figure.
 """
@@ -66,6 +71,27 @@ def _with_defaults(copy, args, kwargs) -> tuple[tuple, dict]:
     return tuple(bound.args), dict(bound.kwargs)
 
 
+def _require_initialized_variables(captured, what: str) -> None:
+    """Raise ``MeasurementError`` unless every resource in ``captured`` is an initialized variable.
+
+    Decided from the handles, before XLA is asked: given a variable not initialized yet (one created
+    while the function being rewritten is traced, such as a Keras optimizer's slots at its first
+    step), XLA's ``GetCompilerIr`` fails a ``RET_CHECK`` in ``PrepareXlaCompilerArgs`` that prints a
+    C++ stack trace to the process's stderr before the error reaches Python.
+    """
+    handles = [t for t in captured if getattr(t, "dtype", None) == tf.resource]
+    if not handles:
+        return
+    with tf.init_scope():
+        for handle in handles:
+            if tf.is_symbolic_tensor(handle):
+                raise MeasurementError(f"{what} captures {handle.name} of an enclosing graph: it cannot be "
+                                       "compiled on its own")
+            if not bool(tf.raw_ops.VarIsInitializedOp(resource=handle)):
+                raise MeasurementError(f"{what} captures a resource that is not an initialized variable (yet): "
+                                       "XLA cannot compile it before the variable is initialized")
+
+
 def _read_total_bytes(folder: str) -> int:
     reports = sorted(glob.glob(os.path.join(folder, _REPORT_GLOB)))
     if not reports:
@@ -100,9 +126,12 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     copy = _fresh_function(fn)
     args, kwargs = _with_defaults(copy, args, kwargs)
     suspend = contextlib.nullcontext() if rewrite else hook.suspended()
-    with xla_flags.dump_for_one_compile() as folder, suspend:
-        copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-        return _read_total_bytes(folder)
+    with suspend:
+        concrete = copy.get_concrete_function(*args, **kwargs)
+        _require_initialized_variables(concrete.captured_inputs, f"{getattr(fn, '__name__', fn)!r}")
+        with xla_flags.dump_for_one_compile() as folder:
+            copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+            return _read_total_bytes(folder)
 
 
 def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec) -> int:
@@ -110,10 +139,15 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
     traced with tf_memsafe's hook suspended: the figure of exactly the program ``fn`` builds.
 
     Compiled, never run.  The splitter measures its loops with it (through :class:`XlaMeasurer`).
+    Raises ``MeasurementError``, without asking XLA, when ``fn`` captures a variable that is not
+    initialized yet.
     """
-    with xla_flags.dump_for_one_compile() as folder, hook.suspended():
-        fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
-        return _read_total_bytes(folder)
+    with hook.suspended():
+        concrete = fn.get_concrete_function(*specs)
+        _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
+        with xla_flags.dump_for_one_compile() as folder:
+            fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
+            return _read_total_bytes(folder)
 
 
 def graph_bytes(graph) -> int:
@@ -124,8 +158,10 @@ def graph_bytes(graph) -> int:
     constants) are captured again, its outputs are returned, and its stateful ops (variable updates)
     are kept by the copy's automatic control dependencies, so the copy is the program XLA will
     compile for the original.  The splitter checks with it what its memory model cannot see (how
-    XLA's scheduler interleaves independent branches).  Raises ``MeasurementError`` when the graph
-    has no outputs or an input without a static shape.
+    XLA's scheduler interleaves independent branches).  Raises ``MeasurementError``, without asking
+    XLA, when the graph has no outputs, an input without a static shape, or captures a variable not
+    initialized yet (one created in this very trace, such as a Keras optimizer's slots at its first
+    step: it is initialized only after the trace).
     """
     outputs = [t for t in getattr(graph, "outputs", []) if t is not None]
     if not outputs:
@@ -134,6 +170,7 @@ def graph_bytes(graph) -> int:
     arguments = [t for t in graph.inputs if t.name not in captured]
     if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in arguments):
         raise MeasurementError(f"`{graph.name}` has an input without a static shape or of a handle type")
+    _require_initialized_variables(captured.values(), f"`{graph.name}`")
     whole = graph.as_graph_def()
     replaced = {t.op.name for t in graph.inputs}
     definition = graph_pb2.GraphDef()

@@ -1,26 +1,46 @@
 """The companion for XLA's flags: the ``XLA_FLAGS`` environment variable, handled safely.
 
-Facts about XLA in TensorFlow 2.21 this module is built on (measured):
+Facts about XLA in TensorFlow 2.21 this module is built on (measured, and read in XLA's
+``xla/parse_flags_from_env.cc`` and ``xla/debug_options_flags.cc``):
 
 * XLA parses ``XLA_FLAGS`` at its first compile and never again -- unless the value it read first
   contained ``--xla_flags_reset=true``; then it re-reads the variable at every compile.
+* A re-read parses the variable *over* the values XLA holds: a flag the variable no longer names
+  keeps the last value XLA read for it (it is not put back to its default).
 * An unknown flag in ``XLA_FLAGS`` kills the process at the next compile, uncatchably.
+* XLA splits the value itself, not as a shell would (:func:`parse_flags`): flags are separated by
+  spaces, tabs or newlines; a value is taken as written up to the next of them (``=``, ``.*``,
+  ``'`` and backslashes included), unless the character after ``=`` is a quote: then the value runs
+  to the matching quote, which is removed (backslash escapes the next character inside double
+  quotes only).  That is how a value holds spaces: ``--xla_dump_to="/my dumps"``.  Reading stops,
+  silently, at the first word that does not start with ``-``: the flags after it are ignored.
+* A value that does not start with ``-`` is the name of a file holding the flags.
 
-So, at import, tf_memsafe puts ``--xla_flags_reset=true`` in front of the user's own flags (the
-user's flags are kept, in order, and win over anything we add).  After that, a measurement can
-point ``--xla_dump_to`` at a private temporary directory for the duration of one compile and put
-the user's value back afterwards.
+So tf_memsafe never re-quotes or re-splits what the user wrote: every edit below is made on the
+text, and the user's part of the value is kept byte for byte.
+
+At import, tf_memsafe puts ``--xla_flags_reset=true`` and a space in front of the user's value (a
+value naming a file is replaced by the file's text, which XLA would have read instead; an
+unreadable file is left for XLA to report).  After that, a measurement can point ``--xla_dump_to``
+at a private temporary directory for the duration of one compile and put the user's value back.
+Since XLA would keep the measurement's dump settings (second fact), the value after a measurement
+is the reset flag, then :data:`DUMP_DEFAULTS` (the default value of every dump flag a measurement
+sets), then the user's value: the user's own flags come last and win, as they did before.
 
 Flags tf_memsafe may set, and why:
 
 ``--xla_flags_reset=true``
     lets per-compile settings (the dump directory below) take effect after XLA's first compile.
-``--xla_dump_to=<private temp dir>``, ``--xla_dump_hlo_as_text``
+``--xla_dump_to=<private temp dir>``, ``--xla_dump_hlo_as_text``, and empty
+``--xla_dump_hlo_module_re`` and ``--xla_dump_hlo_pass_re`` and ``--xla_dump_max_hlo_modules=-1``
     only while :func:`tf_memsafe.memory_footprint` compiles: XLA then writes its buffer
-    assignment's memory-usage report ("Total bytes used"), which we read and delete.  The command
-    line (``python -m tf_memsafe``) sets them for the whole run (:func:`dump_all_compiles`) to
-    report each compiled program's figure at exit, unless the user dumps somewhere already (then
-    it reads the user's directory and leaves it as it is).
+    assignment's memory-usage report ("Total bytes used"), which we read and delete; the user's
+    own dump filters, which could hide that report or multiply the files, do not apply to it.  The
+    command line (``python -m tf_memsafe``) sets them for the whole run (:func:`dump_all_compiles`)
+    to report each compiled program's figure at exit, unless the user dumps somewhere already (then
+    it reads the user's directory and leaves the user's dump settings as they are).
+:data:`DUMP_DEFAULTS`
+    after the first measurement, in front of the user's flags (see above).
 
 ``--xla_tensor_size_threshold=<bytes>``, ``--xla_tensor_split_size=<bytes>``
     only on a TensorFlow build that has the eXLA tensor-splitting pass (a fork some users run),
@@ -42,12 +62,13 @@ per machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -57,14 +78,26 @@ from collections.abc import Iterable, Iterator
 from tf_memsafe.errors import TfMemsafeError
 
 __all__ = [
-    "RESET_FLAG", "ensure_reset_flag", "user_flags", "dump_for_one_compile", "flags_lock", "InvalidFlagError",
-    "validate", "check", "set_flags", "unset_flags", "exla_available", "exla_flags_for", "EXLA_FLAGS",
-    "dump_all_compiles", "memory_reports",
+    "RESET_FLAG", "DUMP_DEFAULTS", "Flag", "ParsedFlags", "parse_flags", "format_flag", "ensure_reset_flag",
+    "user_value", "user_flags", "dump_for_one_compile", "flags_lock", "InvalidFlagError", "validate", "check",
+    "set_flags", "unset_flags", "exla_available", "exla_flags_for", "EXLA_FLAGS", "dump_all_compiles",
+    "memory_reports",
 ]
 
 ENV = "XLA_FLAGS"
 RESET_FLAG = "--xla_flags_reset=true"
 flags_lock = threading.RLock()  # XLA_FLAGS is process-wide: one measurement at a time.
+
+# The dump flags a measurement sets, with XLA's default values: after a measurement they stand in
+# front of the user's flags, so that XLA's re-read puts back what the user did not set.
+_DUMP_FLAG_DEFAULTS = (
+    ("--xla_dump_to", ""),
+    ("--xla_dump_hlo_as_text", "false"),
+    ("--xla_dump_hlo_module_re", ""),
+    ("--xla_dump_hlo_pass_re", ""),
+    ("--xla_dump_max_hlo_modules", "-1"),
+)
+DUMP_DEFAULTS = " ".join(f"{name}={value}" for name, value in _DUMP_FLAG_DEFAULTS)
 
 
 # The eXLA fork's tensor-splitting flags (name, and the fraction of the user's limit sent to it).
@@ -82,31 +115,190 @@ class InvalidFlagError(TfMemsafeError, ValueError):
     """An XLA flag this TensorFlow build would reject (the message names it and says why)."""
 
 
-def _split(value: str) -> list[str]:
-    return shlex.split(value) if value else []
+# --- XLA's own splitting of the value (parse_flags_from_env.cc, ParseArgvFromString) ---------------
+
+_WS = " \t\r\n"
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "-_")
+_QUOTES = "'\""
 
 
-def _flag_name(flag: str) -> str:
-    return flag.split("=", 1)[0]
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One flag of an ``XLA_FLAGS`` value, as XLA splits it.
+
+    Attributes:
+      text: the flag exactly as written, quotes included.
+      argv: what XLA's flag parser receives: the quotes around a value removed, escapes applied.
+      start, end: where ``text`` lies in the value.
+    """
+
+    text: str
+    argv: str
+    start: int
+    end: int
+
+    @property
+    def name(self) -> str:
+        return self.argv.split("=", 1)[0]
+
+    @property
+    def value(self) -> str | None:
+        """The value XLA reads (``None`` for a flag written without ``=``)."""
+        return self.argv.split("=", 1)[1] if "=" in self.argv else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedFlags:
+    """An ``XLA_FLAGS`` value split as XLA splits it: the flags XLA reads, and the text it ignores."""
+
+    text: str
+    flags: tuple[Flag, ...]
+
+    @property
+    def read_end(self) -> int:
+        """Where the last flag XLA reads ends (0 without one); XLA ignores what follows."""
+        return self.flags[-1].end if self.flags else 0
+
+    @property
+    def ignored(self) -> str:
+        """The text after the last flag XLA reads, stripped (empty unless a word stopped XLA's reading)."""
+        return self.text[self.read_end:].strip(_WS)
+
+
+def _skip(text: str, chars: str, at: int) -> int:
+    while at < len(text) and text[at] in chars:
+        at += 1
+    return at
+
+
+def parse_flags(text: str) -> ParsedFlags:
+    """Split ``text`` into flags exactly as XLA's ``ParseArgvFromString`` does.
+
+    A flag starts with ``-``; its name runs over letters, digits, ``-`` and ``_``.  Followed by ``=``
+    and a quote, the value runs to the matching quote (removed; backslash escapes the next character
+    in double quotes); otherwise the flag runs to the next space, tab or newline.  Reading stops at
+    the first word that does not start with ``-``.
+    """
+    flags = []
+    start = _skip(text, _WS, 0)
+    while start < len(text) and text[start] == "-":
+        at = start
+        while at < len(text) and text[at] in _NAME_CHARS:
+            at += 1
+        if at + 1 < len(text) and text[at] == "=" and text[at + 1] in _QUOTES:
+            equals, quote, at = at, text[at + 1], at + 2
+            value = []
+            while at < len(text) and text[at] != quote:
+                if quote == '"' and text[at] == "\\" and at + 1 < len(text):
+                    at += 1
+                value.append(text[at])
+                at += 1
+            end = min(at + 1, len(text))                      # past the closing quote, if any
+            flags.append(Flag(text[start:end], text[start:equals + 1] + "".join(value), start, end))
+        else:
+            end = at
+            while end < len(text) and text[end] not in _WS:
+                end += 1
+            flags.append(Flag(text[start:end], text[start:end], start, end))
+        start = _skip(text, _WS, end)
+    return ParsedFlags(text, tuple(flags))
+
+
+def format_flag(name: str, value: str) -> str:
+    """``name=value`` as XLA reads it back: plain, or in double quotes when the value needs them."""
+    if not any(c in _WS for c in value) and not value.startswith(tuple(_QUOTES)):
+        return f"{name}={value}"
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{name}="{escaped}"'
+
+
+def _insert(text: str, at: int, flags: list[str]) -> str:
+    """``flags`` put into ``text`` at ``at``, separated by single spaces, nothing else changed."""
+    before, after = text[:at], text[at:]
+    joined = " ".join(flags)
+    if before and before[-1] not in _WS:
+        joined = " " + joined
+    if after and after[0] not in _WS:
+        joined += " "
+    return before + joined + after
+
+
+def _remove(text: str, flag: Flag) -> str:
+    """``text`` without ``flag`` and one space beside it."""
+    start, end = flag.start, flag.end
+    if start > 0 and text[start - 1] in _WS:
+        start -= 1
+    elif end < len(text) and text[end] in _WS:
+        end += 1
+    return text[:start] + text[end:]
+
+
+# --- tf_memsafe's prefix and the user's value -------------------------------------------------------
+
+def _split_ours(value: str) -> tuple[str, str]:
+    """``(tf_memsafe's prefix, the user's value)`` of an ``XLA_FLAGS`` value.
+
+    The prefix is the reset flag, followed by :data:`DUMP_DEFAULTS` after a measurement, and one
+    separating whitespace character; the user's value is the rest, byte for byte.
+    """
+    for prefix in (f"{RESET_FLAG} {DUMP_DEFAULTS}", RESET_FLAG):
+        if value.startswith(prefix) and (len(value) == len(prefix) or value[len(prefix)] in _WS):
+            return prefix, value[len(prefix) + 1:]
+    return "", value
+
+
+def _join(prefix: str, users: str) -> str:
+    return f"{prefix} {users}" if prefix and users else prefix or users
+
+
+def user_value() -> str:
+    """The user's part of ``XLA_FLAGS``, byte for byte: everything after tf_memsafe's prefix."""
+    return _split_ours(os.environ.get(ENV, ""))[1]
 
 
 def user_flags() -> list[str]:
-    """The flags in ``XLA_FLAGS`` other than the reset flag we add."""
-    return [f for f in _split(os.environ.get(ENV, "")) if f != RESET_FLAG]
+    """The flags XLA reads from the user's part of ``XLA_FLAGS``, each exactly as written."""
+    return [f.text for f in parse_flags(user_value()).flags]
 
 
 def ensure_reset_flag() -> bool:
     """Put ``--xla_flags_reset=true`` first in ``XLA_FLAGS``; return whether it was added now.
 
-    Only effective if XLA has not compiled anything yet in this process (it reads the variable once
-    otherwise).  :func:`dump_for_one_compile` detects the late case and says so.
+    The user's value follows it byte for byte (a value naming a flags file: the file's text).  Only
+    effective if XLA has not compiled anything yet in this process (it reads the variable once
+    otherwise); :func:`tf_memsafe.memory_footprint` detects the late case and says so.
     """
     with flags_lock:
-        flags = _split(os.environ.get(ENV, ""))
-        if flags and flags[0] == RESET_FLAG:
+        value = os.environ.get(ENV, "")
+        if _split_ours(value)[0]:
             return False
-        os.environ[ENV] = shlex.join([RESET_FLAG] + [f for f in flags if f != RESET_FLAG])
+        if value.strip(_WS) and not value.lstrip(_WS).startswith("-"):   # XLA reads a file of flags
+            try:
+                with open(value, encoding="utf-8", errors="surrogateescape") as f:
+                    value = f.read()
+            except OSError:  # XLA stops the process at its first compile, as without tf_memsafe
+                return False
+            if "\0" in value:
+                return False
+        os.environ[ENV] = _join(RESET_FLAG, value)
         return True
+
+
+def _with_flags_after_users(value: str | None, extra: list[str]) -> str:
+    """The reset flag, the user's flags (as written) and ``extra`` after them, so that ``extra`` wins."""
+    users = parse_flags(_split_ours(value or "")[1])
+    read = users.text[:users.read_end].lstrip(_WS)
+    return " ".join([RESET_FLAG, *([read] if read else []), *extra])
+
+
+def _after_measurement(previous: str | None) -> str:
+    """``XLA_FLAGS`` after a measurement: the reset flag, the dump flags' defaults, the user's value."""
+    return _join(f"{RESET_FLAG} {DUMP_DEFAULTS}", _split_ours(previous or "")[1])
+
+
+def _measurement_flags(folder: str) -> list[str]:
+    overrides = {"--xla_dump_to": folder, "--xla_dump_hlo_as_text": "true"}
+    return [format_flag(name, overrides.get(name, default)) for name, default in _DUMP_FLAG_DEFAULTS]
 
 
 _DUMP_RE = re.compile(r"tf_memsafe_(?:xla|run)_dump_(\d+)_")
@@ -149,21 +341,19 @@ def _alive(pid: int) -> bool:
 def dump_for_one_compile() -> Iterator[str]:
     """Make XLA dump the programs compiled inside the block into a fresh directory (yielded).
 
-    The user's own ``--xla_dump_to`` is overridden for the block only (their directory does not get
-    the measurement compiles) and restored after; the directory is deleted afterwards.
+    Inside the block ``XLA_FLAGS`` holds the reset flag, the user's flags as written, then the
+    measurement's dump flags (which win): the user's own dump directory and dump filters do not
+    apply to the block's compiles.  After it, ``XLA_FLAGS`` holds the reset flag,
+    :data:`DUMP_DEFAULTS` and the user's value byte for byte; the directory is deleted.
     """
     with flags_lock:
         previous = os.environ.get(ENV)
         folder = _dump_dir("xla")
-        users = [f for f in user_flags() if _flag_name(f) not in ("--xla_dump_to", "--xla_dump_hlo_as_text")]
-        os.environ[ENV] = shlex.join([RESET_FLAG] + users + [f"--xla_dump_to={folder}", "--xla_dump_hlo_as_text"])
+        os.environ[ENV] = _with_flags_after_users(previous, _measurement_flags(folder))
         try:
             yield folder
         finally:
-            if previous is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = previous
+            os.environ[ENV] = _after_measurement(previous)
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -171,26 +361,28 @@ def dump_for_one_compile() -> Iterator[str]:
 def dump_all_compiles() -> Iterator[str]:
     """Make XLA dump every program compiled inside the block; yields the directory.
 
-    The user's own ``--xla_dump_to`` is kept and yielded (nothing is deleted there); otherwise a
-    private temporary directory is used and deleted afterwards.
+    The user's own ``--xla_dump_to`` is kept and yielded, with the user's other dump settings
+    (``--xla_dump_hlo_as_text`` is added unless the user set it; nothing is deleted there);
+    otherwise a private temporary directory is used, with the measurement's dump flags, and
+    deleted afterwards.  ``XLA_FLAGS`` afterwards is as after :func:`dump_for_one_compile`.
     """
     with flags_lock:
         previous = os.environ.get(ENV)
-        users = user_flags()
-        own = next((f.split("=", 1)[1] for f in users if _flag_name(f) == "--xla_dump_to" and "=" in f), None)
-        folder = own or _dump_dir("run")
-        extra = [] if own else [f"--xla_dump_to={folder}"]
-        if "--xla_dump_hlo_as_text" not in {_flag_name(f) for f in users}:
-            extra.append("--xla_dump_hlo_as_text")
-        os.environ[ENV] = shlex.join([RESET_FLAG] + users + extra)
+        users = parse_flags(_split_ours(previous or "")[1]).flags
+        dump_to = [f.value for f in users if f.name == "--xla_dump_to"]
+        own = dump_to[-1] if dump_to else None   # XLA keeps the last value of a flag given twice
+        if own:
+            folder = own
+            extra = [] if "--xla_dump_hlo_as_text" in {f.name for f in users} else ["--xla_dump_hlo_as_text"]
+        else:
+            folder = _dump_dir("run")
+            extra = _measurement_flags(folder)
+        os.environ[ENV] = _with_flags_after_users(previous, extra)
     try:
         yield folder
     finally:
         with flags_lock:
-            if previous is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = previous
+            os.environ[ENV] = _after_measurement(previous)
         if not own:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -226,8 +418,6 @@ _PROBE = "import tensorflow as tf; tf.function(lambda a: a + 1.0, jit_compile=Tr
 _UNKNOWN_RE = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)$", re.MULTILINE)
 _memory_cache: dict[str, str | None] = {}
 _ours: set[str] = set()  # names of the flags set_flags() added (never the user's)
-
-
 def _build_key() -> str:
     import tensorflow as tf
 
@@ -265,8 +455,17 @@ def _store_disk_cache(results: dict[str, str | None]) -> None:
 
 
 def _probe(flags: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=shlex.join(flags), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _named_unknown(stderr: str, pending: list[str]) -> set[str]:
+    """The flags of ``pending`` that XLA's "Unknown flags in XLA_FLAGS: ..." line names (as it read them)."""
+    unknown = _UNKNOWN_RE.search(stderr)
+    if not unknown:
+        return set()
+    listed = f" {unknown.group(1)} "
+    return {f for f in pending if f" {parse_flags(f).flags[0].argv} " in listed}
 
 
 def _probe_all(flags: list[str]) -> dict[str, str | None]:
@@ -278,8 +477,7 @@ def _probe_all(flags: list[str]) -> dict[str, str | None]:
         if done.returncode == 0 and done.stdout.strip().endswith("ok"):
             results.update(dict.fromkeys(pending))
             break
-        unknown = _UNKNOWN_RE.search(done.stderr)
-        named = set(shlex.split(unknown.group(1))) & set(pending) if unknown else set()
+        named = _named_unknown(done.stderr, pending)
         if named:
             for flag in named:
                 results[flag] = "unknown to this TensorFlow build's XLA"
@@ -296,17 +494,24 @@ def _probe_all(flags: list[str]) -> dict[str, str | None]:
     return results
 
 
+def _is_one_xla_flag(flag: str) -> bool:
+    parsed = parse_flags(flag).flags
+    return len(parsed) == 1 and parsed[0].text == flag and flag.startswith("--xla_")
+
+
 def validate(flags: Iterable[str]) -> dict[str, str | None]:
     """Which of ``flags`` this TensorFlow build's XLA accepts, decided in a child process.
 
-    Returns each flag mapped to ``None`` if accepted, else a one-line reason.  Flags are judged
-    with their values (``--xla_foo=banana`` may be rejected where ``--xla_foo=true`` is not).
-    Nothing is set in this process.
+    Each flag is written as in ``XLA_FLAGS`` (a value with spaces in double quotes).  Returns each
+    flag mapped to ``None`` if accepted, else a one-line reason.  Flags are judged with their values
+    (``--xla_foo=banana`` may be rejected where ``--xla_foo=true`` is not).  Nothing is set in this
+    process.
     """
     flags = [str(f) for f in flags]
     for flag in flags:
-        if not flag.startswith("--xla_") or any(c.isspace() for c in flag):
-            raise InvalidFlagError(f"{flag!r} is not an XLA flag: XLA flags look like --xla_<name>[=<value>]")
+        if not _is_one_xla_flag(flag):
+            raise InvalidFlagError(f"{flag!r} is not one XLA flag: XLA flags look like --xla_<name>[=<value>], "
+                                   'a value with spaces in double quotes (--xla_dump_to="/my dumps")')
     with flags_lock:
         if not _memory_cache:
             _memory_cache.update(_load_disk_cache())
@@ -331,18 +536,20 @@ def set_flags(flags: Iterable[str]) -> list[str]:
     """Add ``flags`` to ``XLA_FLAGS`` after validating them; return those actually added.
 
     A flag the user already set (same name, any value) is left as the user set it and not added:
-    the user's values win.  With the reset flag first in ``XLA_FLAGS`` (tf_memsafe's import puts it
-    there), XLA picks the new flags up at its next compile.
+    the user's values win.  The added flags go right after the last flag XLA reads from the user's
+    value (where XLA reads them too); nothing else in the value changes.  With the reset flag first
+    in ``XLA_FLAGS`` (tf_memsafe's import puts it there), XLA picks them up at its next compile.
     """
     flags = list(flags)
     check(flags)
     with flags_lock:
-        current = _split(os.environ.get(ENV, ""))
-        present = {_flag_name(f) for f in current}
-        added = [f for f in flags if _flag_name(f) not in present]
+        prefix, users = _split_ours(os.environ.get(ENV, ""))
+        parsed = parse_flags(users)
+        present = {f.name for f in parsed.flags}
+        added = [f for f in flags if parse_flags(f).flags[0].name not in present]
         if added:
-            os.environ[ENV] = shlex.join(current + added)
-            _ours.update(_flag_name(f) for f in added)
+            os.environ[ENV] = _join(prefix, _insert(users, parsed.read_end, added))
+            _ours.update(parse_flags(f).flags[0].name for f in added)
         return added
 
 
@@ -352,11 +559,12 @@ def unset_flags(names: Iterable[str]) -> None:
         drop = {n.split("=", 1)[0] for n in names} & _ours
         if not drop:
             return
-        current = _split(os.environ.get(ENV, ""))
-        os.environ[ENV] = shlex.join([f for f in current if _flag_name(f) not in drop])
+        prefix, users = _split_ours(os.environ.get(ENV, ""))
+        for flag in reversed(parse_flags(users).flags):
+            if flag.name in drop:
+                users = _remove(users, flag)
+        os.environ[ENV] = _join(prefix, users)
         _ours.difference_update(drop)
-
-
 def exla_available() -> bool:
     """Whether this TensorFlow build has the eXLA tensor-splitting flags (stock TensorFlow: no)."""
     probes = [f"{name}=1000000" for name in EXLA_FLAGS]

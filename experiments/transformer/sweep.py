@@ -64,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
+from experiments._results import OUT_HELP, results_dir
 from experiments.transformer import data as tdata
 from experiments.transformer import model as tmodel
 from grappler_ext.splitter import CANNOT_SPLIT
@@ -340,8 +341,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", help="TFDS data directory (default: TFDS's)")
     parser.add_argument("--dropout", type=float, help="the tutorial's dropout rate (default 0: off); on, tf_memsafe "
                         "runs with redraw_random=True")
-    parser.add_argument("--out", default=os.path.join("experiments", "results"))
+    parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
+    args.out = results_dir(args.out, args.quick)
 
     source = _source_state()  # now: the sources this process imports
     preset = PRESETS["quick" if args.quick else args.preset]

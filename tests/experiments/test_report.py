@@ -6,6 +6,8 @@ The fabricated results are rows of each script's own ``Row`` dataclass written b
 
 import dataclasses
 import json
+import os
+import pathlib
 
 import pytest
 
@@ -197,3 +199,29 @@ def test_quick_run_of_one_experiment(tmp_path):
     for case in ("fits", "limit/10", "limit/100"):
         assert f"| {case} |" in text
     assert f"not run: `python -m experiments.knn --quick --out {tmp_path}`" in text
+
+
+def test_a_quick_run_without_out_never_touches_the_committed_results(tmp_path, monkeypatch):
+    """``--quick`` alone writes to experiments/results/quick (git-ignored), a full run to
+    experiments/results; every experiment's own --out defaults the same way."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def writes(argv):
+        out = argv[argv.index("--out") + 1]
+        seen.append(out)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "overhead.json"), "w") as f:
+            json.dump({"quick": True, "rows": []}, f)
+        return 0
+
+    for module in (knn, kernel_matvec, overhead):
+        monkeypatch.setattr(module, "main", writes)
+    assert report.main(["--quick", "--only", "overhead"]) == 0
+    assert seen == [os.path.join("experiments", "results", "quick")]
+    assert (tmp_path / "experiments" / "results" / "quick" / "SUMMARY.md").exists()
+    assert not (tmp_path / "experiments" / "results" / "overhead.json").exists()
+    assert _results.results_dir(None, quick=False) == os.path.join("experiments", "results")
+    assert _results.results_dir("elsewhere", quick=True) == "elsewhere"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    assert "experiments/results/quick/" in (root / ".gitignore").read_text().splitlines()

@@ -1,12 +1,15 @@
-"""The XLA-flags companion: validation in a child process, user flags first, eXLA pass-through."""
+"""The XLA-flags companion: XLA's own splitting of the value, the user's flags kept byte for byte,
+validation in a child process, eXLA pass-through."""
 
 import os
-import shlex
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tf_memsafe
 from tf_memsafe import xla_flags
@@ -70,15 +73,21 @@ def test_a_rejected_flag_raises_before_anything_is_set(known, restore_env):
     assert os.environ["XLA_FLAGS"] == before
 
 
-@pytest.mark.parametrize("not_a_flag", ["xla_foo=1", "--tf_xla_auto_jit=2", "--xla_a=1 --xla_b=2"])
+@pytest.mark.parametrize("not_a_flag", ["xla_foo=1", "--tf_xla_auto_jit=2", "--xla_a=1 --xla_b=2", " --xla_a=1",
+                                        "'--xla_a=.*'"])
 def test_strings_that_are_not_one_xla_flag_are_refused_without_a_child(not_a_flag):
-    with pytest.raises(xla_flags.InvalidFlagError, match="not an XLA flag"):
+    with pytest.raises(xla_flags.InvalidFlagError, match="not one XLA flag"):
         xla_flags.validate([not_a_flag])
+
+
+def test_a_value_with_spaces_in_double_quotes_is_one_flag(known):
+    known('--xla_dump_to="/my dumps"')
+    assert xla_flags.validate(['--xla_dump_to="/my dumps"']) == {'--xla_dump_to="/my dumps"': None}
 
 
 def test_set_flags_keeps_the_users_values_and_unset_removes_only_ours(known, restore_env):
     known("--xla_cpu_enable_fast_math=true", "--xla_cpu_use_thunk_runtime=false")
-    os.environ["XLA_FLAGS"] = shlex.join([xla_flags.RESET_FLAG, "--xla_cpu_enable_fast_math=false"])
+    os.environ["XLA_FLAGS"] = f"{xla_flags.RESET_FLAG} --xla_cpu_enable_fast_math=false"
     added = xla_flags.set_flags(["--xla_cpu_enable_fast_math=true", "--xla_cpu_use_thunk_runtime=false"])
     assert added == ["--xla_cpu_use_thunk_runtime=false"]
     assert os.environ["XLA_FLAGS"].split() == [
@@ -150,12 +159,12 @@ def test_an_invalid_flag_never_reaches_the_process(tmp_path):
 def test_dump_all_compiles_reports_each_program_and_cleans_up(restore_env):
     import tensorflow as tf
 
-    before = os.environ["XLA_FLAGS"]
+    before = xla_flags.user_value()
     with xla_flags.dump_all_compiles() as folder:
         tf.function(lambda a: a * 3.0 + 1.0, jit_compile=True)(tf.ones([256]))
         reports = xla_flags.memory_reports(folder)
     assert len(reports) == 1 and reports[0][0].startswith("a_inference_") and reports[0][1] >= 2 * 256 * 4
-    assert os.environ["XLA_FLAGS"] == before
+    assert os.environ["XLA_FLAGS"] == " ".join(filter(None, [xla_flags.RESET_FLAG, xla_flags.DUMP_DEFAULTS, before]))
     assert not os.path.exists(folder)
 
 
@@ -178,3 +187,105 @@ def test_dump_directories_of_dead_processes_are_removed(tmp_path):
         d.mkdir()
     assert xla_flags.remove_stale_dumps(str(tmp_path)) == 1
     assert not stale.exists() and live.exists() and other.exists()
+
+
+class TestXlaSplitsTheValue:
+    """``parse_flags`` splits ``XLA_FLAGS`` as XLA's ``ParseArgvFromString`` does; XLA itself is the oracle.
+
+    Separators are spaces, tabs and newlines; a value runs to the next of them (``=``, ``.*`` and an
+    apostrophe included) unless it opens with a quote; reading stops at a word without ``-``.
+    """
+
+    TRICKY = ('--xla_q1="a \\"b\\" c" --xla_q2=\'x y\\z\' \t--xla_e=b=c --xla_r=.* --xla_it=it\'s --xla_b\n'
+              '--xla_end=1 stop --xla_after=1')
+    READ = ['--xla_q1=a "b" c', "--xla_q2=x y\\z", "--xla_e=b=c", "--xla_r=.*", "--xla_it=it's", "--xla_b",
+            "--xla_end=1"]
+
+    def test_each_flag_as_xla_reads_it_and_as_written(self):
+        parsed = xla_flags.parse_flags(self.TRICKY)
+        assert [f.argv for f in parsed.flags] == self.READ
+        assert [f.text for f in parsed.flags][:2] == ['--xla_q1="a \\"b\\" c"', "--xla_q2='x y\\z'"]
+        assert all(self.TRICKY[f.start:f.end] == f.text for f in parsed.flags)
+        assert parsed.ignored == "stop --xla_after=1"
+        assert (parsed.flags[2].name, parsed.flags[2].value, parsed.flags[5].value) == ("--xla_e", "b=c", None)
+
+    def test_shell_quoting_stops_xla_at_once(self):
+        """What tf_memsafe used to write (shlex.join): XLA reads no flag of it."""
+        written = "--xla_flags_reset=true '--xla_dump_hlo_pass_re=.*' --xla_dump_to=/d"
+        assert [f.text for f in xla_flags.parse_flags(written).flags] == ["--xla_flags_reset=true"]
+
+    def test_xla_reads_the_same_flags(self):
+        """XLA's own parser, asked in a child (its VLOG lists the argv it built; the unknown names then
+        stop the child, as they would any process)."""
+        env = dict(os.environ, XLA_FLAGS=self.TRICKY, TF_CPP_VMODULE="parse_flags_from_env=1", TF_CPP_MIN_LOG_LEVEL="0")
+        out = subprocess.run([sys.executable, "-c", xla_flags._PROBE], env=env, capture_output=True, text=True,
+                             timeout=240)
+        listed = re.findall(r"\] +argv\[(\d+)\] = (.*)$", out.stderr, re.MULTILINE)
+        last = max(i for i, (index, _) in enumerate(listed) if index == "0")
+        assert [value for _, value in listed[last + 1:]] == self.READ
+
+    @given(st.text(alphabet=st.characters(blacklist_characters="\0")))
+    def test_format_flag_is_read_back_exactly(self, value):
+        written = xla_flags.format_flag("--xla_dump_to", value)
+        parsed = xla_flags.parse_flags(written)
+        assert [(f.text, f.argv) for f in parsed.flags] == [(written, f"--xla_dump_to={value}")]
+
+
+USER_VALUES = [
+    "--xla_dump_hlo_pass_re=.* --xla_dump_to=/tmp/dumps",
+    '--xla_dump_to="/tmp/my dumps"  --xla_dump_hlo_module_re=lambda|x=y\t--xla_cpu_enable_fast_math=false',
+    "--xla_dump_to='/tmp/it is' --xla_dump_hlo_pass_re=it's.*",
+    "",
+]
+
+
+class TestTheUsersValueIsKeptByteForByte:
+    @pytest.mark.parametrize("value", USER_VALUES)
+    def test_import_puts_only_the_reset_flag_in_front(self, value, monkeypatch):
+        monkeypatch.setenv("XLA_FLAGS", value)
+        assert xla_flags.ensure_reset_flag()
+        assert os.environ["XLA_FLAGS"] == (f"{xla_flags.RESET_FLAG} {value}" if value else xla_flags.RESET_FLAG)
+        assert xla_flags.user_value() == value
+        assert not xla_flags.ensure_reset_flag()       # once only
+        assert xla_flags.user_value() == value
+
+    def test_a_flags_file_is_read_as_xla_would(self, tmp_path, monkeypatch):
+        """A value without a leading ``-`` names a file of flags: its text takes the value's place."""
+        path = tmp_path / "xla flags.txt"
+        path.write_text(USER_VALUES[1] + "\n")
+        monkeypatch.setenv("XLA_FLAGS", str(path))
+        assert xla_flags.ensure_reset_flag()
+        assert xla_flags.user_value() == USER_VALUES[1] + "\n"
+        monkeypatch.setenv("XLA_FLAGS", str(tmp_path / "missing"))
+        assert not xla_flags.ensure_reset_flag()       # left for XLA to report, as without tf_memsafe
+        assert os.environ["XLA_FLAGS"] == str(tmp_path / "missing")
+
+    @pytest.mark.parametrize("value", USER_VALUES)
+    def test_a_measurement_block_puts_its_dump_flags_after_the_users_and_restores_them(self, value, monkeypatch):
+        monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.RESET_FLAG} {value}")
+        with xla_flags.dump_for_one_compile() as folder:
+            inside = xla_flags.parse_flags(os.environ["XLA_FLAGS"])
+        read = [f.argv for f in inside.flags]
+        users = [f.argv for f in xla_flags.parse_flags(value).flags]
+        assert read[0] == xla_flags.RESET_FLAG and read[1:1 + len(users)] == users
+        # Last wins in XLA: the measurement's directory, text dumps and no filter of the user's.
+        last = {f.name: f.value for f in inside.flags}
+        assert last["--xla_dump_to"] == folder and last["--xla_dump_hlo_module_re"] == ""
+        assert last["--xla_dump_hlo_pass_re"] == "" and last["--xla_dump_hlo_as_text"] == "true"
+        # After: XLA keeps what it read last, so the defaults come back in front of the user's value.
+        assert os.environ["XLA_FLAGS"] == " ".join(filter(None, [xla_flags.RESET_FLAG, xla_flags.DUMP_DEFAULTS,
+                                                                 value]))
+        assert xla_flags.user_value() == value
+        with xla_flags.dump_for_one_compile():
+            pass
+        assert xla_flags.user_value() == value          # a second measurement changes nothing more
+
+    def test_set_and_unset_edit_the_text_only_where_xla_reads(self, known, monkeypatch):
+        known("--xla_cpu_use_thunk_runtime=false")
+        monkeypatch.setattr(xla_flags, "_ours", set())
+        value = '--xla_dump_to="/tmp/my dumps"  --xla_dump_hlo_pass_re=.* stop-word --xla_ignored=1'
+        monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.RESET_FLAG} {value}")
+        assert xla_flags.set_flags(["--xla_cpu_use_thunk_runtime=false"]) == ["--xla_cpu_use_thunk_runtime=false"]
+        assert xla_flags.user_value() == value.replace(".* ", ".* --xla_cpu_use_thunk_runtime=false ")
+        xla_flags.unset_flags(["--xla_cpu_use_thunk_runtime"])
+        assert xla_flags.user_value() == value
