@@ -224,7 +224,7 @@ class TestXlaSplitsTheValue:
         last = max(i for i, (index, _) in enumerate(listed) if index == "0")
         assert [value for _, value in listed[last + 1:]] == self.READ
 
-    @given(st.text(alphabet=st.characters(blacklist_characters="\0")))
+    @given(st.text(alphabet=st.characters(exclude_characters="\0")))
     def test_format_flag_is_read_back_exactly(self, value):
         written = xla_flags.format_flag("--xla_dump_to", value)
         parsed = xla_flags.parse_flags(written)
