@@ -92,13 +92,26 @@ def _require_initialized_variables(captured, what: str) -> None:
                                        "XLA cannot compile it before the variable is initialized")
 
 
-def _read_total_bytes(folder: str) -> int:
+def _module_token(function_name) -> str:
+    """What XLA's module name holds of a TensorFlow function's name: ``__inference_<lambda>_7``
+    compiles to the module ``a_inference__lambda__7__`` (measured on TF 2.21)."""
+    name = function_name.decode() if isinstance(function_name, bytes) else str(function_name)
+    return re.sub(r"[^A-Za-z0-9]", "_", name).strip("_") + "__"
+
+
+def _read_total_bytes(folder: str, function_name=None) -> int:
+    """The "Total bytes used" of the programs XLA dumped into ``folder``: those of the function named
+    ``function_name``, if given and found.  Another thread's compile can land in the folder while it
+    is set (``XLA_FLAGS`` is the process's), and must not count."""
     reports = sorted(glob.glob(os.path.join(folder, _REPORT_GLOB)))
     if not reports:
         raise MeasurementError(
             "XLA wrote no memory-usage report: XLA read XLA_FLAGS before tf_memsafe was imported, so it "
             "ignores the dump directory. Import tf_memsafe before the first XLA compile, or start the "
             f"process with XLA_FLAGS='{xla_flags.RESET_FLAG}'.")
+    if function_name is not None:
+        token = _module_token(function_name)
+        reports = [p for p in reports if token in os.path.basename(p)] or reports
     totals = []
     for path in reports:
         with open(path, encoding="utf-8") as f:
@@ -131,7 +144,7 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
         _require_initialized_variables(concrete.captured_inputs, f"{getattr(fn, '__name__', fn)!r}")
         with xla_flags.dump_for_one_compile() as folder:
             copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-            return _read_total_bytes(folder)
+            return _read_total_bytes(folder, concrete.name)
 
 
 def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec) -> int:
@@ -147,7 +160,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
         with xla_flags.dump_for_one_compile() as folder:
             fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
-            return _read_total_bytes(folder)
+            return _read_total_bytes(folder, concrete.name)
 
 
 def graph_bytes(graph) -> int:
@@ -271,7 +284,7 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
                                      (backward.name, backward_specs, ())):
             with xla_flags.dump_for_one_compile() as folder:
                 _tf_internals.compile_by_name(name, flat, captured)
-                sizes.append(_read_total_bytes(folder))
+                sizes.append(_read_total_bytes(folder, name))
     except (ValueError, tf.errors.InvalidArgumentError) as e:
         if "compile-time constant" not in str(e):
             raise

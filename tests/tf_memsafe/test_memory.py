@@ -262,3 +262,16 @@ class TestVariablesNotInitializedYet:
         assert out.returncode == 0, out.stderr[-3000:]
         assert "Begin stack trace" not in out.stderr and "RET_CHECK" not in out.stderr, out.stderr[-3000:]
         assert int(out.stdout.split("FIGURE ", 1)[1]) >= 64 * 64 * F32 * 3   # weights and Adam's two slots
+
+
+def test_another_threads_compile_in_the_dump_folder_does_not_count(tmp_path):
+    """XLA_FLAGS is the process's: while a measurement's dump folder is set, another thread's compile
+    may write its report there too.  Only the measured function's module counts."""
+    from tf_memsafe.memory import _read_total_bytes
+
+    for module, total in (("a_inference_knn_123__.5", 1000), ("a_inference_train_step_1234__.9", 50_000)):
+        (tmp_path / f"module_0001.{module}.cpu_after_optimizations-memory-usage-report.txt").write_text(
+            f"Total bytes used: {total} (1.0KiB)\n")
+    assert _read_total_bytes(str(tmp_path), b"__inference_knn_123") == 1000
+    assert _read_total_bytes(str(tmp_path), "__inference_train_step_1234") == 50_000
+    assert _read_total_bytes(str(tmp_path)) == 51_000              # no name: every program dumped
