@@ -142,8 +142,10 @@ class _Run:
             floor = analysis.floor(est, info)
             ours = bool(est.unknown_ops) and analysis.is_ours(est.unknown_ops)
             # Where the model cannot say (an op without a byte rule: a conditional, ...), XLA's figure
-            # decides; a program whose only unknown ops are our own loops was checked when they were built.
-            figure = self.figure() if floor <= limit and not ours else Figure()
+            # decides; a program with loops of ours in it was checked (and warned about) when they were
+            # built, earlier in this pipeline's run.
+            split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
+            figure = self.figure() if floor <= limit and not split_before else Figure()
             if floor <= limit and not figure.over(limit):
                 why = "its loops are already split" if ours else f"the memory model cannot estimate it ({est.reason})"
                 result.skip([], f"{why}; the largest tensor left with the inputs and outputs, {floor:,} B, is "
@@ -411,8 +413,10 @@ class _Run:
             f" ({xla} as split)" if xla else "")
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
                 else f"the splitter could only reduce it: {worst.reason}")
+        need = (f"needs {_mb(self.entry_over[0])} by XLA's figure as written" if est.peak_bytes is None
+                and self.entry_over is not None else f"{how} {_mb(needed)} by the memory model")
         self.pending.append(
-            f"`{self.graph.name}` {how} {_mb(needed)} by the memory model{then}, over its limit of "
+            f"`{self.graph.name}` {need}{then}, over its limit of "
             f"{_mb(limit)}{scaled}, and {what}. It will run as well as it can; raise memory_limit, or rewrite "
             "that op's input in smaller pieces.")
 

@@ -1,22 +1,14 @@
-"""splitter.outcome and driver: decisions as values, rendered for people; one run's state per run.
+"""splitter.outcome: decisions as values, rendered for people, kept as data in reports.
 
-The thread test traces two functions at the same time under two limits (16 MB and 4 MB) through
-one shared pipeline, as the hook does: each trace gets the plan it gets alone.
+(Two threads tracing at once under two limits, each with its own plan and run state:
+tests/tf_memsafe/test_hostile_inputs.py.)
 """
 
 import json
-import threading
 
-import numpy as np
-import tensorflow as tf
-
-import tf_memsafe
 from grappler_ext.pass_base import PassResult, Record
-from grappler_ext.pipeline import Pipeline
-from grappler_ext.splitter import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing, Splitter
+from grappler_ext.splitter import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.outcome import BestEffort
-from tf_memsafe import hook
-from tf_memsafe.memory import XlaMeasurer
 from tf_memsafe.report import Report
 
 
@@ -65,61 +57,3 @@ def test_a_report_keeps_the_plan_as_data():
     data = json.loads(json.dumps(report.to_dict()))
     assert data["records"][0]["plan"]["length"] == 20000
     assert Report.from_dict(data).records[0].code == Code.SPLIT
-
-
-def sq_dist(x, y):
-    return tf.reduce_sum(tf.square(x[:, None, :] - y[None, :, :]), -1)
-
-
-def knn(x, y):
-    return tf.math.top_k(-sq_dist(x, y), k=5).indices
-
-
-def test_two_threads_tracing_at_once_under_two_limits_each_get_their_own_plan():
-    """One pipeline, shared as the hook shares it; kNN of 4000 x 4000 points (a 64 MB distance
-    matrix) under 16 MB and, in another thread at the same moment, under 4 MB."""
-    x = tf.constant(np.random.default_rng(0).standard_normal((4000, 3)), tf.float32)
-    y = tf.constant(np.random.default_rng(1).standard_normal((4000, 3)), tf.float32)
-    expected = tf.function(knn, jit_compile=True)(x, y).numpy()
-    shared = Pipeline([Splitter(XlaMeasurer())])
-
-    def trace(limit):
-        with hook.active_in_this_thread(), tf_memsafe.options(memory_limit=limit, strict=True):
-            fn = tf.function(knn, jit_compile=True)
-            fn.get_concrete_function(x, y)
-            return fn, fn(x, y).numpy()
-
-    def plans(mark):
-        out = {}
-        for rep in hook.reports_since(mark):
-            (split,) = [r for r in rep.records if r.code == Code.SPLIT]
-            out[rep.memory_limit_bytes] = split.plan
-        return out
-
-    with hook.use_pipeline(shared):
-        mark = hook.report_mark()
-        alone = {limit: trace(limit)[1] for limit in (16 * 10**6, 4 * 10**6)}
-        expected_plans = plans(mark)
-        mark = hook.report_mark()
-        barrier, results, errors = threading.Barrier(2), {}, []
-
-        def worker(limit):
-            try:
-                barrier.wait()
-                results[limit] = trace(limit)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(limit,)) for limit in (16 * 10**6, 4 * 10**6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        together = plans(mark)
-    assert together == expected_plans and together[16 * 10**6].chunk > together[4 * 10**6].chunk
-    for limit, (_, got) in results.items():
-        assert np.mean(got == expected) > 0.99 and np.mean(alone[limit] == expected) > 0.99
-        with hook.use_pipeline(shared), tf_memsafe.options(memory_limit=limit):
-            with hook.active_in_this_thread():
-                assert tf_memsafe.memory_footprint(knn, x, y) <= limit
