@@ -88,17 +88,12 @@ class Options(PassOptions):
     refused rather than read by truthiness.
     """
 
-    memory_limit_bytes: int | None = None
+    # The passes' fields (memory_limit_bytes, disabled_passes, verify, max_fixed_point_iterations,
+    # dump_dir, calibrate_chunks, check_programs, redraw_random) and their defaults come from
+    # PassOptions; the user-facing ones follow.
     memory_limit_fraction: float | None = 0.8
-    disabled_passes: frozenset[str] = frozenset()
     rewrite_non_jit: bool = False
     strict: bool = False
-    verify: bool = False
-    max_fixed_point_iterations: int = 4
-    dump_dir: str | None = None
-    calibrate_chunks: bool = True
-    check_programs: bool = True
-    redraw_random: bool = False
     exla_flags: bool = True
 
     def __post_init__(self):
