@@ -106,21 +106,30 @@ class _Run:
             # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
             at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
                            est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
-            if at_least <= limit:
-                result.skip([], f"{shown}: left alone; give the tf.function an input_signature with static "
-                                "shapes to split it", code=Code.DYNAMIC_SHAPES)
-                # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
-                self.pending.append(
-                    f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
-                    f"{_mb(limit)} before it runs, and nothing in it is split. Give the tf.function an "
-                    "input_signature with static shapes (or call it on tensors of one shape) to let tf_memsafe "
-                    "check and split it.")
+            # Sizes decided inside the program (a sparse update's rows) leave its inputs static: XLA's
+            # figure for it then decides, as for a program the model cannot estimate.
+            figure = self.figure() if at_least <= limit else Figure()
+            if at_least <= limit and not figure.over(limit):
+                result.skip([], f"{shown}: left alone, within the limit by XLA's figure ({figure.bytes:,} B)"
+                            if figure.known else f"{shown}: left alone{figure.note()}; give the tf.function an "
+                            "input_signature with static shapes to split it", code=Code.DYNAMIC_SHAPES)
+                if not figure.known:
+                    # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
+                    self.pending.append(
+                        f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
+                        f"{_mb(limit)} before it runs, and nothing in it is split. Give the tf.function an "
+                        "input_signature with static shapes (or call it on tensors of one shape) to let tf_memsafe "
+                        "check and split it.")
                 self._warn()
                 return result
             # Static tensors over the limit (attention scores beside the dynamic-size sparse update
             # of an embedding) are split; the dynamic ops stay as they are.
-            result.skip([], f"{shown}: left as they are; the rest needs at least {at_least:,} B, so the static "
-                            "tensors over the limit are split", code=Code.DYNAMIC_SHAPES)
+            over = (f"XLA's figure is {figure.bytes:,} B" if figure.known else
+                    f"the rest needs at least {at_least:,} B")
+            result.skip([], f"{shown}: left as they are; {over}, so the static tensors over the limit are split",
+                        code=Code.DYNAMIC_SHAPES)
+            if figure.known:
+                self.entry_over = (figure.bytes, f"it has {shown}")
         elif est.peak_bytes is not None and est.peak_bytes <= limit * t.model_trust:
             figure = self.figure() if est.peak_bytes >= t.check_from * limit else Figure()
             if not figure.over(limit):

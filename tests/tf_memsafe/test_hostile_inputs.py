@@ -185,6 +185,33 @@ def test_dynamic_shapes_warn_naming_them_and_what_to_do():
     assert [r.code for r in splitter_records(mark)] == [Code.DYNAMIC_SHAPES]
 
 
+def test_sizes_decided_inside_the_program_are_judged_by_xlas_figure():
+    """An embedding's sparse Adam update (its rows deduplicated with `Unique`: sizes known only as it
+    runs) in a step whose inputs are static: XLA's figure for the program decides, and within the
+    limit there is nothing to say."""
+    import tf_keras as keras
+
+    emb = tf.Variable(RNG.standard_normal((1000, 64)).astype("float32"))
+    opt = keras.optimizers.Adam(0.01)
+    opt.build([emb])
+
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(tf.gather(emb, ids)))
+        opt.apply_gradients([(tape.gradient(loss, emb), emb)])
+        return loss
+
+    ids = tf.constant(RNG.integers(0, 1000, 512), tf.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tf_memsafe.enable("64MB")
+        mark = hook.report_mark()
+        tf.function(step, jit_compile=True)(ids)
+    (record,) = splitter_records(mark)
+    assert record.code == Code.DYNAMIC_SHAPES and "within the limit by XLA's figure" in record.reason
+    assert ours(caught) == []
+
+
 def test_a_cholesky_inside_the_region_is_named():
     fn = lambda x: tf.linalg.cholesky(tf.exp(-sq_dist(x, x)) + 1e-3 * tf.eye(2000))     # [2000, 2000]
     with warnings.catch_warnings(record=True) as caught:
