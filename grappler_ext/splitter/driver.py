@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import tensorflow as tf
+
 from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.op_types import nbytes
@@ -101,8 +103,11 @@ class _Run:
             return result
         est, info = memory_model.analyse(self.graph)
         if est.dynamic_tensors:
-            shown = ", ".join(f"`{n}`" for n in est.dynamic_tensors[:3])
-            shown = f"dynamic shapes ({shown}{', ...' if len(est.dynamic_tensors) > 3 else ''})"
+            # The function's own inputs first: what the user chose (a None in an input_signature).
+            names = [t.name for t in self.graph.inputs if t.dtype not in (tf.resource, tf.variant)
+                     and not t.shape.is_fully_defined()] or list(est.dynamic_tensors)
+            shown = ", ".join(self._dimension(name) for name in names[:3])
+            shown = f"dynamic shapes ({shown}{', ...' if len(names) > 3 else ''})"
             # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
             at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
                            est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
@@ -182,6 +187,18 @@ class _Run:
                 "smaller pieces.")
         self._warn()
         return result
+
+    def _dimension(self, name: str) -> str:
+        """A dynamic tensor as a person finds it: "`x:0` dimension 0 of [?, 3]"."""
+        try:
+            shape = self.graph.get_tensor_by_name(name).shape
+        except (KeyError, ValueError):
+            return f"`{name}`"
+        if shape.rank is None:
+            return f"`{name}` of unknown rank"
+        dims = [i for i, d in enumerate(shape.as_list()) if d is None]
+        text = "[" + ", ".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
+        return f"`{name}` dimension{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))} of {text}"
 
     def _warn(self) -> None:
         """The plan's warnings, each once, pointing at the pipeline that ran the pass."""

@@ -182,6 +182,7 @@ def test_dynamic_shapes_warn_naming_them_and_what_to_do():
         tf.function(knn, jit_compile=True).get_concrete_function(tf.TensorSpec([None, 3]), tf.TensorSpec([4000, 3]))
     said = ours(caught)
     assert len(said) == 1 and "dynamic shapes" in said[0] and "input_signature" in said[0], said
+    assert "dimension 0 of [?, 3]" in said[0], said
     assert [r.code for r in splitter_records(mark)] == [Code.DYNAMIC_SHAPES]
 
 
