@@ -175,8 +175,9 @@ class TestGoodValues:
 
             return LocalPass
 
-        define()
+        local = define()                   # held until the name is accepted (a collection could run any time)
         with tf_memsafe.options(disabled_passes=["local_options_test_pass"]):
+            del local
             gc.collect()  # the class is gone
             assert tf_memsafe.get_options().disabled_passes == frozenset({"local_options_test_pass"})
         assert make_options(disabled_passes=["local_options_test_pass"])
