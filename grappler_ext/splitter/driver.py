@@ -112,8 +112,14 @@ class _Run:
             at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
                            est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
             # Sizes decided inside the program (a sparse update's rows) leave its inputs static: XLA's
-            # figure for it then decides, as for a program the model cannot estimate.
-            figure = self.figure() if at_least <= limit else Figure()
+            # figure for it then decides, as for a program the model cannot estimate -- unless loops of
+            # ours are in it: it was checked (and warned about) when they were built, earlier in this run.
+            split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
+            figure = self.figure() if at_least <= limit and not split_before else Figure()
+            if at_least <= limit and split_before:
+                result.skip([], f"{shown}: its loops are already split; the static tensors left are within the "
+                                "limit", code=Code.DYNAMIC_SHAPES)
+                return result
             if at_least <= limit and not figure.over(limit):
                 result.skip([], f"{shown}: left alone, within the limit by XLA's figure ({figure.bytes:,} B)"
                             if figure.known else f"{shown}: left alone{figure.note()}; give the tf.function an "
