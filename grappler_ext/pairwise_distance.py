@@ -120,10 +120,10 @@ def _sums_a_square(total: tf.Operation) -> bool:
     return inner.type in ("Square", "Pow", "SquaredDifference")
 
 
-def _short_reason(total: tf.Operation, reason: str) -> str:
+def _short_reason(total: tf.Operation, failed) -> str:
     """One short line: the matcher's reason when it is about an outside reader, else what was squared."""
-    if "consumer outside the pattern" in reason:
-        return reason
+    if failed.outside_use:
+        return failed.reason
     square = total.inputs[0].op
     operand = square.inputs[0].op
     return (f"`{square.name}` squares `{operand.name}` ({operand.type}), not a difference of "
@@ -159,7 +159,7 @@ class PairwiseDistance(GraphPass):
             m = match(PATTERN, op.outputs[0], ignore=backward)
             if not m:
                 if _sums_a_square(op):
-                    result.skip([op], f"not a pairwise distance: {_short_reason(op, m.reason)}")
+                    result.skip([op], f"not a pairwise distance: {_short_reason(op, m)}")
                 continue
             if self._rewrite(graph, m, result) and backward:
                 gradients.rebuild(graph, self.name, m.ops)

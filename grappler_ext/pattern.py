@@ -320,9 +320,12 @@ class Match:
 
 @dataclass(frozen=True)
 class NoMatch:
-    """A failed match: falsy; ``reason`` is one line naming the op and what was expected."""
+    """A failed match: falsy; ``reason`` is one line naming the op and what was expected.
+    ``outside_use``: the pattern matched whole, but an ``exclusive`` op of it is read outside it (a
+    consumer, or a graph output) -- a caller reads this, never the text."""
 
     reason: str
+    outside_use: bool = False
 
     def __bool__(self) -> bool:
         return False
@@ -548,7 +551,7 @@ def match(pattern: Pattern, tensor: tf.Tensor, ignore: Iterable[tf.Operation] = 
                 root=tensor, captures=dict(st.captures), ops=list(st.ops), const_values=dict(st.const_values)
             )
         fails.add(_EXCLUSIVE_DEPTH, violation)
-    return NoMatch(fails.reason)
+    return NoMatch(fails.reason, outside_use=fails.depth == _EXCLUSIVE_DEPTH)
 
 
 def find_all(pattern: Pattern, graph: tf.Graph, ops: Iterable[tf.Operation] | None = None) -> list[Match]:

@@ -325,7 +325,9 @@ def test_exclusive_interior_with_extra_consumer_fails_with_reason() -> None:
     g = trace(f, F32_4x3, F32_4x3)
     m = match(sq_dist_pattern(exclusive=True), out(g, "Sum"))
     assert not m and m.reason == "`sub` (Sub) has a consumer outside the pattern: `mul`"
+    assert m.outside_use                              # what a caller reads instead of the text
     assert match(sq_dist_pattern(exclusive=False), out(g, "Sum"))
+    assert not match(Op("Mean", Any(), Any()), out(g, "Sum")).outside_use
 
 
 def test_ignored_consumers_do_not_break_exclusivity() -> None:
