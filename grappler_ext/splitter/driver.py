@@ -87,7 +87,7 @@ class _Run:
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
         self.relaxed = False                             # regions with a large joined result allowed
-        self.notes: list = []                            # records of the run, beside the plan's
+        self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
 
@@ -102,6 +102,9 @@ class _Run:
             result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
             return result
         est, info = memory_model.analyse(self.graph)
+        # Loops of ours in it: the program was checked (and warned about) when they were built,
+        # earlier in this pipeline's run; it is not compiled again to be judged.
+        split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
         if est.dynamic_tensors:
             # The function's own inputs first: what the user chose (a None in an input_signature).
             names = [t.name for t in self.graph.inputs if t.dtype not in (tf.resource, tf.variant)
@@ -112,9 +115,7 @@ class _Run:
             at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
                            est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
             # Sizes decided inside the program (a sparse update's rows) leave its inputs static: XLA's
-            # figure for it then decides, as for a program the model cannot estimate -- unless loops of
-            # ours are in it: it was checked (and warned about) when they were built, earlier in this run.
-            split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
+            # figure for it then decides, as for a program the model cannot estimate.
             figure = self.figure() if at_least <= limit and not split_before else Figure()
             if at_least <= limit and split_before:
                 result.skip([], f"{shown}: its loops are already split; the static tensors left are within the "
@@ -162,9 +163,7 @@ class _Run:
             floor = analysis.floor(est, info)
             ours = bool(est.unknown_ops) and analysis.is_ours(est.unknown_ops)
             # Where the model cannot say (an op without a byte rule: a conditional, ...), XLA's figure
-            # decides; a program with loops of ours in it was checked (and warned about) when they were
-            # built, earlier in this pipeline's run.
-            split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
+            # decides.
             figure = self.figure() if floor <= limit and not split_before else Figure()
             if floor <= limit and not figure.over(limit):
                 why = "its loops are already split" if ours else f"the memory model cannot estimate it ({est.reason})"
@@ -222,16 +221,19 @@ class _Run:
         mark = len(journal)
         tried, after, measured = self._planned(est, info, limit)
         failed = self.pending or (measured is not None and measured > wanted)
+        def size(after, measured):
+            """XLA's figure for the program as it stands (as measured, else asked now), else the model's."""
+            figure = measured if measured is not None else self.figure().bytes
+            return (figure if figure is not None else after), figure
+
         if failed and any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
             first_warnings = list(self.pending)
-            figure = measured if measured is not None else self.figure().bytes
-            first_bytes = figure if figure is not None else after
+            first_bytes, _ = size(after, measured)
             journal.undo(to=mark)
             self.relaxed = True
             tried, after, measured = self._planned(est, info, limit)
             self.relaxed = False
-            figure = measured if measured is not None else self.figure().bytes
-            relaxed_bytes = figure if figure is not None else after
+            relaxed_bytes, figure = size(after, measured)
             smaller = relaxed_bytes is not None and (first_bytes is None or relaxed_bytes < first_bytes)
             if smaller:
                 tried.skip([], f"the limit cannot be met: regions whose joined result is large for the limit "
@@ -243,7 +245,7 @@ class _Run:
                 journal.undo(to=mark)
                 tried, after, measured = self._planned(est, info, limit)
                 self.pending = first_warnings
-        result.records += self.notes + tried.records
+        result.records += self.notes.records + tried.records
         if measured is not None and measured > wanted and not self.pending:
             result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
                             "nothing left to split", code=Code.STILL_OVER)
@@ -260,7 +262,7 @@ class _Run:
         notes on the way go to ``self.notes``, warnings to ``self.pending``."""
         journal = graph_edit.active_journal()
         wanted, t = self.limit, self.tuning
-        self.notes = []
+        self.notes = PassResult(self.name)
         best = None                 # (XLA's figure, the planning limit) of the best plan measured
         for attempt in range(t.replans + 1):
             mark = len(journal)
@@ -271,8 +273,8 @@ class _Run:
             if best is not None and measured >= best[0]:
                 # Smaller chunks did not help (what is over is not in a loop): the best plan again.
                 journal.undo(to=mark)
-                self.notes.append(self._note(f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
-                                             f"planned against {best[1]:,} B again", Code.REPLAN_NO_BETTER))
+                self.notes.skip([], f"planned against {limit:,} B, XLA's figure is {measured:,} B, no better: "
+                                    f"planned against {best[1]:,} B again", code=Code.REPLAN_NO_BETTER)
                 limit = best[1]
                 tried = PassResult(self.name)
                 after, measured = self._split_large(est, info, limit, tried)
@@ -284,18 +286,13 @@ class _Run:
             # the planning limit scaled by the share XLA's figure is over.
             lower = int(limit * wanted / measured * t.replan_margin)
             journal.undo(to=mark)
-            self.notes.append(self._note(f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is "
-                                         f"{measured:,} B, over the limit of {wanted:,} B: planned again against "
-                                         f"{lower:,} B", Code.REPLANNED))
+            self.notes.skip([], f"planned against {limit:,} B, with {_loops(tried)} XLA's figure is {measured:,} B, "
+                                f"over the limit of {wanted:,} B: planned again against {lower:,} B",
+                            code=Code.REPLANNED)
             limit = lower
         if measured is None or measured <= wanted:
             tried, after, measured = self._grown_backward(est, info, limit, mark, tried, after, measured)
         return tried, after, measured
-
-    def _note(self, reason: str, code: Code):
-        """A record of the run (not of one plan's attempt)."""
-        note = PassResult(self.name)
-        return note.skip([], reason, code=code)
 
     def _grown_backward(self, est, info, limit, mark, tried, after, measured):
         """The plan ``tried`` (built since the journal's ``mark``) again with its starved gradient loops
