@@ -59,6 +59,7 @@ from collections.abc import Iterable, Mapping
 
 import tensorflow as tf
 
+from grappler_ext import shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.memory_rules import (  # the public names are re-exported: callers read memory_model.Rule etc.
     NO_RULE_REASONS,
@@ -203,7 +204,8 @@ _NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad"})
 
 
 def _shape_tuple(t: tf.Tensor):
-    return None if t.shape.rank is None else tuple(t.shape.as_list())
+    d = shapes.dims(t)          # a nominal size for dimensions known at run time (grappler_ext.shapes)
+    return None if d is None else tuple(d)
 
 
 class _Analysis:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from grappler_ext import folding
+from grappler_ext import folding, shapes
 from grappler_ext.op_types import ARG_REDUCTIONS, MATMULS
 from grappler_ext.xla_facts import FUSED_REDUCTION_MAX, MATVEC_FUSION_MAX_BYTES, YNN_DTYPES, YNN_REDUCTIONS
 
@@ -102,7 +102,7 @@ def _const(t: tf.Tensor) -> np.ndarray | None:
 
 
 def _dims(t: tf.Tensor) -> list[int] | None:
-    return t.shape.as_list() if t.shape.is_fully_defined() else None
+    return shapes.dims(t) if shapes.is_static(t) else None     # the nominal size for run-time dimensions
 
 
 def _elements(t: tf.Tensor) -> int | None:
@@ -435,6 +435,9 @@ _register("Pack", Rule(Kind.LOOP))
 _register("AssignVariableOp AssignAddVariableOp AssignSubVariableOp", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("CheckNumerics", Rule(Kind.BITCAST))
 _register("InvertPermutation ConcatOffset", Rule(Kind.STATIC, static_inputs=(0, 1)))
+# Shape arithmetic in the gradients of reductions over dimensions known only at run time (the
+# reduced shape stitched from the input's): a few ints, read at compile time by what reshapes.
+_register("DynamicStitch ParallelDynamicStitch", Rule(Kind.LOOP))
 _register("StridedSliceGrad", Rule(Kind.LOOP, static_inputs=(0, 1, 2, 3)))
 _register("BiasAddGrad FusedBatchNormV3 FusedBatchNormGradV3", Rule(Kind.LIBRARY))
 _register("Pad MirrorPad", Rule(Kind.LOOP, static_inputs=(1,)))

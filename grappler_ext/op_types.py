@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from grappler_ext import shapes
+
 __all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
            "PASS_THROUGH", "SHAPE_READERS", "nbytes", "static_shape_reader"]
 
@@ -29,8 +31,9 @@ SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def nbytes(t: tf.Tensor) -> int:
-    """The bytes of ``t``'s value: elements times the dtype's size; 0 when its shape is not static."""
-    return t.shape.num_elements() * t.dtype.size if t.shape.is_fully_defined() else 0
+    """The bytes of ``t``'s value: elements times the dtype's size; 0 when its shape is not static
+    (dimensions known at run time read at the nominal size, :mod:`grappler_ext.shapes`)."""
+    return shapes.nbytes(t)
 
 
 def static_shape_reader(op: tf.Operation) -> bool:

@@ -26,6 +26,7 @@ import re
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from grappler_ext import shapes
 from tf_memsafe import _tf_internals, hook, xla_flags
 from tf_memsafe.errors import TfMemsafeError
 
@@ -138,10 +139,23 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     """
     copy = _fresh_function(fn)
     args, kwargs = _with_defaults(copy, args, kwargs)
-    suspend = contextlib.nullcontext() if rewrite else hook.suspended()
-    with suspend:
+    def suspend():
+        return contextlib.nullcontext() if rewrite else hook.suspended()
+
+    with suspend():
         concrete = copy.get_concrete_function(*args, **kwargs)
         _require_initialized_variables(concrete.captured_inputs, f"{getattr(fn, '__name__', fn)!r}")
+    if any(not t.shape.is_fully_defined() for t in concrete.inputs if t.dtype not in (tf.resource, tf.variant)):
+        # An input_signature with dimensions known only at run time: the trace (rewritten as such)
+        # compiled for these arguments' shapes, as TensorFlow compiles it when it is called with
+        # them -- called from a function traced at those shapes, itself left as it is.
+        outer = tf.function(lambda *a, **k: copy(*a, **k), jit_compile=True, autograph=False)
+        with hook.suspended():
+            called = outer.get_concrete_function(*args, **kwargs)
+            with xla_flags.dump_for_one_compile() as folder:
+                outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+                return _read_total_bytes(folder, called.name)
+    with suspend():
         with xla_flags.dump_for_one_compile() as folder:
             copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
             return _read_total_bytes(folder, concrete.name)
@@ -181,7 +195,8 @@ def graph_bytes(graph) -> int:
         raise MeasurementError(f"`{graph.name}` has no outputs to compile")
     captured = {internal.name: external for external, internal in graph.captures}
     arguments = [t for t in graph.inputs if t.name not in captured]
-    if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in arguments):
+    # Dimensions known only at run time are compiled at the nominal size the splitter plans at.
+    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in arguments):
         raise MeasurementError(f"`{graph.name}` has an input without a static shape or of a handle type")
     _require_initialized_variables(captured.values(), f"`{graph.name}`")
     whole = graph.as_graph_def()
@@ -202,7 +217,7 @@ def graph_bytes(graph) -> int:
 
     fn = tf.function(copy, jit_compile=True, autograph=False)
     with tf.init_scope():
-        return compiled_bytes(fn, *[tf.TensorSpec(t.shape, t.dtype) for t in arguments])
+        return compiled_bytes(fn, *[shapes.concrete_spec(t) for t in arguments])
 
 
 class XlaMeasurer:

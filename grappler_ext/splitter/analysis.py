@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-from grappler_ext import folding, graph_edit, memory_model
+from grappler_ext import folding, graph_edit, memory_model, shapes
 from grappler_ext.graph_query import ancestors
 from grappler_ext.op_types import (
     ARG_REDUCTIONS,
@@ -95,7 +95,7 @@ def root_options(root: tf.Operation) -> list[RootOption]:
             prop = rules.propagate(root, 0, axis)
             if prop:
                 options.append(RootOption(root, "concat", prop.input_axes, prop.output_axes, prop))
-    if not root.inputs or not root.inputs[0].shape.is_fully_defined():
+    if not root.inputs or not shapes.is_static(root.inputs[0]):
         return options
     rank = root.inputs[0].shape.rank
     if root.type in REDUCTIONS or root.type in ARG_REDUCTIONS:
@@ -119,7 +119,7 @@ def root_options(root: tf.Operation) -> list[RootOption]:
         probs = root.inputs[0]
         # softmax(S) @ V over slices of the keys: S's last axis is the contracting axis.
         if (probs.op.type == "Softmax" and not ta and probs.consumers() == [root]
-                and probs.dtype.is_floating and probs.op.inputs[0].shape.is_fully_defined()):
+                and probs.dtype.is_floating and shapes.is_static(probs.op.inputs[0])):
             options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
                                       absorbed=(probs.op,)))
@@ -152,7 +152,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     rebuild: dict = {}
     sliced_inputs: dict = {}
     stops: list = []
-    length = None
+    length = _UNSET                # the split axis' length: an int, or None where it is known at run time
 
     def request(t: tf.Tensor, axis: int | None):
         if axis is None:
@@ -174,10 +174,11 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
                 return Why(Code.REGION_CONFLICT, f"`{op.name}` output {k} is needed along axes {sorted(axes)}")
             axis = next(iter(axes))
             dim = op.outputs[k].shape[axis]
-            if length is None:
+            if length is _UNSET:
                 length = dim
             elif dim != length:
-                return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {dim} along the split axis, not {length}")
+                return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {_size(dim)} along the split axis, "
+                                                 f"not {_size(length)}")
         stop = _outside(op, wanted, whole, included | ignored, graph_outputs, order_index)
         prop = None
         if stop is None:
@@ -197,8 +198,14 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
         rebuild[op] = prop.build
         for t, a in zip(op.inputs, prop.input_axes):
             request(t, a)
-    if length is None:
+    if length is _UNSET:
         return Why(Code.NO_ROOT, "no input of the root carries the split axis")
+    dynamic = length is None
+    why = _dynamic_dims(options, sliced_inputs, whole, dynamic)
+    if why is not None:
+        return why
+    if dynamic:
+        length = shapes.nominal_size()
     if len(options) > 1:
         # Roots split together must not read each other's results (logsumexp's Sum reads the
         # whole row max): the loop would need what it computes.
@@ -208,9 +215,103 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
     ops = sorted(included - roots, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
-                    whole_inputs=whole, length=length, root_partial=None)
+                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic)
     stops.sort(key=lambda s: -s[0])
     return Grown(region, included, [why for _, why in stops])
+
+
+_UNSET = object()
+
+
+def _size(dim) -> str:
+    return "unknown until run time" if dim is None else str(dim)
+
+
+def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Why | None:
+    """Why a region with dimensions known only at run time cannot be split, or ``None``.
+
+    Only the split axis may be one (a slice's cost then does not depend on the run; the ops inside
+    were checked by their rules).  A loop along it takes its length from the sliced inputs' shapes
+    when it runs, in chunks planned at the nominal size (:mod:`grappler_ext.shapes`): so that needs
+    one, and the sliced inputs' lengths must be one length -- the same tensor, or tensors carrying
+    the axis from the function's inputs (a batch of features and its labels), or from one tensor,
+    through ops that keep it.
+    """
+    for option in options:
+        outputs = option.output_axes or (None,) * len(option.root.outputs)
+        for t, a in list(zip(option.root.inputs, option.input_axes)) + list(zip(option.root.outputs, outputs)):
+            if t.dtype not in (tf.resource, tf.variant) and (
+                    t.shape.rank is None or set(shapes.dynamic_axes(t)) - {a}):
+                return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dynamic shape {t.shape}: only the split axis may be "
+                                              "dynamic")
+    if not dynamic and not any(shapes.dynamic_axes(r.deref()) for r in list(sliced_inputs) + list(whole)):
+        return None
+    if dynamic and shapes.nominal_size() is None:
+        return Why(Code.DYNAMIC_AXIS, "the split axis is known only at run time, and no nominal size was given "
+                                      "to plan it")
+    for ref, axis in sliced_inputs.items():
+        t = ref.deref()
+        if t.shape.rank is None or set(shapes.dynamic_axes(t)) - {axis}:
+            return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dynamic shape {t.shape}, split along {axis}: only the "
+                                          "split axis may be dynamic")
+    for ref in whole:
+        t = ref.deref()
+        if t.dtype not in (tf.resource, tf.variant) and (t.shape.rank is None or shapes.dynamic_axes(t)):
+            return Why(Code.DYNAMIC_AXIS, f"`{t.name}` of dynamic shape {t.shape} is read whole by every slice")
+    sources = {length_source(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
+    if dynamic and len(sources) > 1:
+        shown = ", ".join(sorted(f"`{name}` axis {a}" for name, a in sources)[:3])
+        return Why(Code.DYNAMIC_AXIS, f"the sliced inputs' lengths are known only at run time and may differ "
+                                      f"({shown})")
+    return None
+
+
+_INPUT = "(the function's inputs)"
+
+
+def length_source(t: tf.Tensor, axis: int, depth: int = 256) -> tuple[str, int]:
+    """Where the run-time length of ``t``'s ``axis`` comes from: ``(_INPUT, 0)`` for the function's
+    inputs (their unknown dimensions are taken as one: a batch's features and labels), else the
+    tensor and axis the ops keeping it lead back to (an op that keeps it is one whose split rule
+    reads exactly one input along a dynamic axis, or several with one source)."""
+    for _ in range(depth):
+        if t.op.type in ("Placeholder", "PlaceholderWithDefault") and not t.op.inputs:
+            return (_INPUT, 0)
+        if t.shape.rank is None or t.shape[axis] is not None:
+            return (t.name, axis)
+        shaped = _shape_source(t)
+        if shaped is not None:
+            # broadcast_to(g, tf.shape(x)) (a reduction's gradient): x's length.
+            t = shaped
+            continue
+        prop = rules.propagate(t.op, t.value_index, axis)
+        if not prop:
+            return (t.name, axis)
+        carried = [(x, a) for x, a in zip(t.op.inputs, prop.input_axes)
+                   if a is not None and x.shape.rank is not None and x.shape[a] is None]
+        if not carried:
+            return (t.name, axis)
+        if len({(x.ref(), a) for x, a in carried}) > 1:
+            found = {length_source(x, a, depth // 2) for x, a in carried}
+            return found.pop() if len(found) == 1 else (t.name, axis)
+        t, axis = carried[0]
+    return (t.name, axis)
+
+
+def _shape_source(t: tf.Tensor) -> tf.Tensor | None:
+    """``x`` where ``t`` is made in the shape of ``x`` read at run time (``BroadcastTo``, ``Fill`` or
+    ``Reshape`` to ``tf.shape(x)``, of the same rank), else ``None``."""
+    op = t.op
+    index = {"BroadcastTo": 1, "Reshape": 1, "Fill": 0}.get(op.type)
+    if index is None:
+        return None
+    shape = op.inputs[index]
+    while shape.op.type in PASS_THROUGH and shape.op.type != "Reshape" and shape.op.inputs:
+        shape = shape.op.inputs[0]
+    if shape.op.type != "Shape":
+        return None
+    x = shape.op.inputs[0]
+    return x if x.shape.rank == t.shape.rank else None
 
 
 def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
@@ -339,6 +440,7 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
             or rules.is_stateful(op) or op.control_inputs or op._control_outputs  # noqa: SLF001
             or any(t.dtype in (tf.resource, tf.variant) for t in list(op.inputs) + list(op.outputs))
             or not all(t.shape.is_fully_defined() for t in op.outputs) or any(nbytes(t) > cap for t in op.outputs)):
+        # (a prologue is computed whole: never of a size known only at run time)
         return False
     for o in op.outputs:
         if o.ref() in graph_outputs:

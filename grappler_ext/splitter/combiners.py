@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
-from grappler_ext.splitter.slicing import dynamic_slice, join_slices
+from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
 __all__ = ["value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat", "Sum", "Mean",
            "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group", "combiner_for_reduction",
@@ -81,6 +81,12 @@ class Combiner(abc.ABC):
         """The gradient each of one slice's partials receives, given the outputs' upstream gradient."""
         raise NotImplementedError(f"the `{self.name}` combiner has no gradient")
 
+    def at_length(self, length: tf.Tensor) -> Combiner:
+        """This combiner for a split axis whose length is known only at run time (a scalar tensor):
+        ``ceil(length / c)`` slices, the last one's rows past ``length`` masked to the reduction's
+        identity by the roots' partials, no remainder slice.  Most need nothing more."""
+        return self
+
 
 class Concat(Combiner):
     """Partials are slices of the outputs along ``axes[i]``: written in order, then joined.
@@ -108,6 +114,30 @@ class Concat(Combiner):
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         return [None if up is None else dynamic_slice(up, self.axes[i], offset, chunk)
                 for i, up in enumerate(upstream)]
+
+    def at_length(self, length):
+        return _ConcatTo(self.axes, length)
+
+
+class _ConcatTo(Concat):
+    """:class:`Concat` of a run-time ``length``: the joined slices cut to ``length``; a slice's rows
+    past it receive no gradient."""
+
+    def __init__(self, axes: Sequence[int], length: tf.Tensor):
+        super().__init__(axes)
+        self.length = length
+
+    def finish(self, carry, tail_partials, tail_offset):
+        return [join_slices(ta, self.axes[i], None if tail_partials is None else tail_partials[i], self.length)
+                for i, ta in enumerate(carry)]
+
+    def slice_upstream(self, upstream, outputs, partials, offset, chunk):
+        valid = valid_rows(offset, chunk, self.length)
+        return [None if up is None else mask_rows(clamped_slice(up, self.axes[i], offset, chunk), self.axes[i],
+                                                  valid, 0) for i, up in enumerate(upstream)]
+
+    def at_length(self, length):
+        return _ConcatTo(self.axes, length)
 
 
 class _Fold(Combiner):
@@ -151,7 +181,7 @@ class Mean(Sum):
 
     name = "mean"
 
-    def __init__(self, length: int, chunk: int, tail: int):
+    def __init__(self, length, chunk: int, tail: int):
         self.length, self.chunk, self.tail = length, chunk, tail
 
     def init(self, partial_specs, steps):
@@ -163,7 +193,12 @@ class Mean(Sum):
 
     @staticmethod
     def _weighted(p, w):
+        if isinstance(w, tf.Tensor):   # a run-time length: the ratio in float64, then rounded once
+            return p * tf.cast(w, p.dtype)
         return p * tf.constant(w, dtype=p.dtype)  # not tf.cast(w): that rounds w to float32 first
+
+    def at_length(self, length):
+        return _MeanOver(length, self.chunk)
 
     def step(self, carry, partials, index, offset):
         return [c + self._weighted(p, self.chunk / self.length) for c, p in zip(carry, partials)]
@@ -175,6 +210,29 @@ class Mean(Sum):
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         return [None if u is None else self._weighted(u, chunk / self.length) for u in upstream]
+
+
+class _MeanOver(Mean):
+    """:class:`Mean` of a run-time ``length``: each slice's mean weighted by ``c / length`` (the
+    masked rows past ``length`` are zeros in the last slice's mean, so ``c`` is right for it too)."""
+
+    def __init__(self, length: tf.Tensor, chunk: int):
+        super().__init__(length, chunk, 0)
+        self.weight = tf.cast(chunk, tf.float64) / tf.cast(length, tf.float64)
+
+    def step(self, carry, partials, index, offset):
+        return [c + self._weighted(p, self.weight) for c, p in zip(carry, partials)]
+
+    def finish(self, carry, tail_partials, tail_offset):
+        if tail_partials is not None:
+            raise ValueError("a mean over a run-time length has no remainder slice")
+        # x 1, or NaN where the length is 0: the mean of nothing, as unsplit.
+        one = tf.cast(self.length, tf.float64) / tf.cast(self.length, tf.float64)
+        return [c * tf.cast(one, c.dtype) for c in carry]
+
+    def slice_upstream(self, upstream, outputs, partials, offset, chunk):
+        weight = tf.cast(chunk, tf.float64) / tf.cast(self.length, tf.float64)
+        return [None if u is None else self._weighted(u, weight) for u in upstream]
 
 
 class Reduce(_Fold):
@@ -480,6 +538,9 @@ class Group(Combiner):
         for (c, _, _), cr, tp in zip(self.parts, self._cut(carry, self._carry_sizes), tails):
             out += c.finish(cr, tp, tail_offset)
         return out
+
+    def at_length(self, length):
+        return Group([(c.at_length(length), n, m) for c, n, m in self.parts])
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         sizes_out = [m for _, _, m in self.parts]

@@ -15,7 +15,7 @@ import warnings
 
 import tensorflow as tf
 
-from grappler_ext import gradients, graph_edit, memory_model
+from grappler_ext import gradients, graph_edit, memory_model, shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.op_types import nbytes
 from grappler_ext.pass_base import SKIPPED, GraphPass, PassOptions, PassResult
@@ -90,6 +90,7 @@ class _Run:
         self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
+        self.growth: tuple[int, float] | None = None     # dynamic shapes: the model's bytes at size 1, and a unit
 
     def figure(self) -> Figure:
         return program_figure(self.checker, self.graph)
@@ -97,11 +98,86 @@ class _Run:
     # --- the program as a whole ------------------------------------------------------------------
 
     def run(self) -> PassResult:
-        result, limit, t = self.result, self.limit, self.tuning
-        if limit is None:
-            result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
-            return result
+        if self.limit is None:
+            self.result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
+            return self.result
         est, info = memory_model.analyse(self.graph)
+        if est.dynamic_tensors and self._dynamic_inputs():
+            planned = self._run_nominal()
+            if planned is not None:
+                self._warn()
+                return planned
+        result = self._run(est, info)
+        self._warn()
+        return result
+
+    def _dynamic_inputs(self) -> list:
+        """The function's own inputs with dimensions known only at run time (what the user chose:
+        a ``None`` in an ``input_signature``, a batch from ``tf.data``)."""
+        return [t for t in self.graph.inputs if t.dtype not in (tf.resource, tf.variant)
+                and not t.shape.is_fully_defined()]
+
+    def _nominal_size(self) -> int | None:
+        """The size the dimensions known only at run time are planned at: where what grows with
+        them is ``Tuning.dynamic_over`` times the limit, by the memory model (taking them as one
+        size).  ``None`` where nothing grows with them, or the model cannot count the program."""
+        def needs(n: int) -> int | None:
+            with shapes.nominal(n):
+                est, _ = memory_model.analyse(self.graph)
+            if est.dynamic_tensors:          # sizes decided inside the program too (a sparse update's)
+                return None
+            return est.peak_bytes if est.peak_bytes is not None else (
+                None if est.unknown_ops else est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
+
+        probe = 1024
+        low, high = needs(1), needs(probe + 1)
+        if low is None or high is None:
+            return None
+        self.growth = (low, (high - low) / probe)
+        if high <= low:
+            return None
+        target = self.tuning.dynamic_over * self.limit
+        size = max(2, min(2**31 - 1, int(-(-target * probe // (high - low)))))
+        # What grows faster than the size (a [n, n] distance matrix): halved until it is within twice
+        # the target.
+        for _ in range(16):
+            grown = needs(size)
+            if grown is None or size <= 2 or grown - low <= 2 * target:
+                break
+            size //= 2
+        return size
+
+    def _run_nominal(self) -> PassResult | None:
+        """The program planned at a nominal size for its dimensions known only at run time
+        (:mod:`grappler_ext.shapes`), its loops taking their lengths from the shapes at run time;
+        ``None`` (and the graph as it was) where that splits nothing."""
+        size = self._nominal_size()
+        if size is None:
+            return None
+        inputs = self._dynamic_inputs()
+        shown = ", ".join(self._dimension(t.name) for t in inputs[:3]) + (", ..." if len(inputs) > 3 else "")
+        with shapes.nominal(size):
+            est, info = memory_model.analyse(self.graph)
+            journal = graph_edit.active_journal()
+            mark = len(journal) if journal is not None else None
+            result = self._run(est, info)
+        if not result.changed:
+            if journal is not None:
+                journal.undo(to=mark)
+            self.result, self.notes, self.pending, self.entry_over = (PassResult(self.name), PassResult(self.name),
+                                                                      [], None)
+            return None
+        note = result.skip([], f"dynamic shapes ({shown}): planned at {size:,} for each dimension known only at run "
+                               f"time, where what grows with them is {self.tuning.dynamic_over:g} x the limit; the "
+                               "loops take their lengths from the shapes when the function runs",
+                           code=Code.DYNAMIC_SHAPES)
+        result.records.remove(note)
+        result.records.insert(0, note)
+        self.pending = [f"at {size:,} for the dimensions known only at run time ({shown}): {m}" for m in self.pending]
+        return result
+
+    def _run(self, est, info) -> PassResult:
+        result, limit, t = self.result, self.limit, self.tuning
         # Loops of ours in it: the program was checked (and warned about) when they were built,
         # earlier in this pipeline's run; it is not compiled again to be judged.
         split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
@@ -129,10 +205,9 @@ class _Run:
                     # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
                     self.pending.append(
                         f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
-                        f"{_mb(limit)} before it runs, and nothing in it is split. Give the tf.function an "
-                        "input_signature with static shapes (or call it on tensors of one shape) to let tf_memsafe "
-                        "check and split it.")
-                self._warn()
+                        f"{_mb(limit)} before it runs, and nothing in it is split{self._growth_note()}. Give the "
+                        "tf.function an input_signature with static shapes (or call it on tensors of one shape) to "
+                        "let tf_memsafe check and split it.")
                 return result
             # Static tensors over the limit (attention scores beside the dynamic-size sparse update
             # of an embedding) are split; the dynamic ops stay as they are.
@@ -190,8 +265,18 @@ class _Run:
                 f"`{self.graph.name}` needs {_mb(figure)} by XLA's figure, over its limit of {_mb(self.limit)}; "
                 f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
                 "smaller pieces.")
-        self._warn()
         return result
+
+    def _growth_note(self) -> str:
+        """What the memory model says the program needs as its run-time dimensions grow, if it could say."""
+        if self.growth is None:
+            return ""
+        base, per_unit = self.growth
+        within = (self.limit - base) / per_unit if per_unit > 0 else float("inf")
+        upto = (f"; within the limit up to about {int(within):,}" if 1 <= within < float("inf") else
+                "; within the limit at any size" if within == float("inf") else "")
+        return (f" (by the memory model, about {_mb(base)} and {per_unit:,.0f} B more for each unit of those "
+                f"dimensions{upto})")
 
     def _dimension(self, name: str) -> str:
         """A dynamic tensor as a person finds it: "`x:0` dimension 0 of [?, 3]"."""
@@ -561,7 +646,8 @@ class _Region:
                         chunks.predicted_bytes, has_gradient_loop=gradient_loop, sizing=sized.sizing,
                         sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
                         loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
-                        rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue))
+                        rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
+                        dynamic=grown.region.dynamic)
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
                             bytes_after=chunks.predicted_bytes,

@@ -32,6 +32,16 @@ recomputation is exact: the same ops on the same values.
 
 Small constant inputs (axes, shapes, scalars) are re-created inside the loop body instead of
 captured, so shape inference in the body sees their values and the body keeps static shapes.
+
+A region whose split axis is known only at run time (``Region.dynamic``: a ``None`` in the
+function's ``input_signature``, a batch from ``tf.data``) is planned at a nominal length
+(:mod:`grappler_ext.shapes`) and built on the length ``n`` read from its sliced inputs' shapes: the
+loop runs ``ceil(n / c)`` slices of ``c`` rows, each cut with its indices past the end clamped
+(:func:`~.slicing.clamped_slice`), so every slice has a static shape and there is no remainder
+slice.  The rows past ``n`` of the last slice are masked out: the roots' partials see them as the
+reduction's identity (:mod:`.mechanism`), joined results are cut to ``n``, and the gradient they
+receive is zero.  XLA compiles the function for each concrete ``n`` and resolves ``n``, the trip
+count and the masks' bounds then.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import tensorflow as tf
 from grappler_ext import folding
 from grappler_ext.splitter.combiners import Combiner
 from grappler_ext.splitter.rules import clone_op
-from grappler_ext.splitter.slicing import dynamic_slice, join_slices
+from grappler_ext.splitter.slicing import axis_length, clamped_slice, dynamic_slice, join_slices, trimmed, valid_rows
 
 __all__ = ["Region", "build_split", "forward_program", "external_inputs"]
 
@@ -69,6 +79,8 @@ class Region:
       prologue: ops, in topological order, computing some of ``whole_inputs`` from other tensors
         (see the module docstring); the loop then reads those ops' inputs instead, and every
         reader of their outputs is in the region or the prologue.
+      dynamic: the split axis' length is known only at run time; ``length`` is the nominal length
+        it was planned at (see the module docstring).
     """
 
     ops: list[tf.Operation]
@@ -79,6 +91,7 @@ class Region:
     length: int
     root_partial: Callable[..., list[tf.Tensor]]
     prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
+    dynamic: bool = False
 
 
 def _inline_constant(t: tf.Tensor):
@@ -142,14 +155,15 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
     # to its own outputs, and this builder runs again when the gradients are rebuilt.
     op_inputs = {op: list(op.inputs) for op in region.ops}
 
-    def build(values, offset, chunk, derived=None, sliced_from=None):
+    def build(values, offset, chunk, derived=None, sliced_from=None, length=None):
         split_env: dict = {}
         whole_env = {t.ref(): v for t, v in zip(external, values)}
         whole_env.update(derived or {})
         sliced: list = []
+        cut = dynamic_slice if length is None else clamped_slice
         for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
-            piece = None if axis is None else dynamic_slice(v, axis, offset, chunk)
+            piece = None if axis is None else cut(v, axis, offset, chunk)
             sliced.append(piece)
             if piece is not None:
                 split_env[t.ref()] = piece
@@ -165,9 +179,29 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
             for old, new in zip(op.outputs, region.rebuild[op](op, inputs, chunk, offset)):
                 split_env[old.ref()] = new
-        return region.root_partial(lookup, chunk, offset), sliced
+        valid = None if length is None else valid_rows(offset, chunk, length)
+        return region.root_partial(lookup, chunk, offset, valid), sliced
 
     return build
+
+
+def run_length(region: Region, external: Sequence[tf.Tensor], values: Sequence[tf.Tensor]) -> tf.Tensor | None:
+    """The split axis' length read from the sliced inputs' shapes (``values`` standing for
+    ``external``) for a region whose length is known only at run time, else ``None``.  The longest,
+    should one broadcast a single row (each slice reads its own rows clamped)."""
+    if not region.dynamic:
+        return None
+    lengths = [axis_length(v, region.sliced_inputs[t.ref()]) for t, v in zip(external, values)
+               if t.ref() in region.sliced_inputs]
+    return lengths[0] if len(lengths) == 1 else tf.reduce_max(tf.stack(lengths))
+
+
+def _extent(region: Region, length, chunk: int):
+    """``(steps, tail)`` of the loop over ``region`` in chunks of ``chunk``: static ints, or for a
+    run-time ``length``, ``ceil(length / chunk)`` slices and no remainder."""
+    if length is None:
+        return region.length // chunk, region.length % chunk
+    return (length + (chunk - 1)) // chunk, 0
 
 
 def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: int):
@@ -190,8 +224,6 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
     ``forward`` reads nothing else of the region's graph, so it can be traced on its own (the
     splitter compiles it to measure what a slice costs).
     """
-    length = region.length
-    steps, tail = length // chunk, length % chunk
     external = external_inputs(region)
     build = _slice_builder(region, external)
 
@@ -200,16 +232,19 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
         # values (from the encoder's output) for every layer at once, long before their loops.
         derived = _in_order(region, external, values, [v for t, v in zip(external, values)
                                                        if t.ref() in region.sliced_inputs] or values)
+        length = run_length(region, external, values)
+        steps, tail = _extent(region, length, chunk)
+        folding = combiner if length is None else combiner.at_length(length)
 
         def step(vals, offset, size):
-            return build(vals, offset, size, derived)
+            return build(vals, offset, size, derived, length=length)
 
-        count, carry = _loop(step, values, combiner, partial_specs, steps, chunk)
+        count, carry = _loop(step, values, folding, partial_specs, steps, chunk)
         # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
         # data dependence keeps XLA's scheduler from computing the remainder slice before the loop
         # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
         tail_partials = step(values, count * chunk, tail)[0] if tail else None
-        return combiner.finish(carry, tail_partials, steps * chunk)
+        return folding.finish(carry, tail_partials, steps * chunk)
 
     return external, forward
 
@@ -224,7 +259,6 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     of the slice's size at once, so it needs smaller chunks to fit the same limit.
     """
     backward_chunk = backward_chunk or chunk
-    length = region.length
     external, forward = forward_program(region, chunk, combiner, partial_specs)
     build = _slice_builder(region, external)
 
@@ -242,16 +276,15 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
             if region.prologue:
                 return _backward_with_prologue(region, build, external, axes, read_whole, values, outputs,
                                                upstream, combiner, backward_chunk, floating)
-            return _backward(build, external, axes, read_whole, values, outputs, upstream, combiner,
-                             length // backward_chunk, backward_chunk, length % backward_chunk, floating)
+            return _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner,
+                             backward_chunk, floating)
 
         return outputs, grad
 
     return list(split_region(*external))
 
 
-def _backward(build, external, axes, read_whole, values, outputs, upstream, combiner, steps, chunk, tail,
-              floating):
+def _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner, chunk, floating):
     """Gradients of the external inputs, recomputing each slice under a local tape.
 
     An input read sliced gets its slices' gradients joined along its axis; one read whole gets
@@ -259,6 +292,10 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
     """
     upstream = [None if u is None else tf.convert_to_tensor(u) for u in upstream]
     n = len(external)
+    length = run_length(region, external, values)
+    steps, tail = _extent(region, length, chunk)
+    if length is not None:
+        combiner = combiner.at_length(length)
 
     def slice_grads(offset, size):
         # Symbolic gradients in the body's graph: a GradientTape would not record here, because
@@ -266,7 +303,7 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
         inner = [tf.identity(v) for v in values]
         # The slices from identities of their own: tf.gradients with respect to ``inner`` would
         # otherwise add the slices' part again to an input read both ways.
-        partials, sliced = build(inner, offset, size, sliced_from=[tf.identity(v) for v in values])
+        partials, sliced = build(inner, offset, size, sliced_from=[tf.identity(v) for v in values], length=length)
         ups = combiner.slice_upstream(upstream, outputs, partials, offset, size)
         targets = [p for p, u in zip(partials, ups) if u is not None]
         ups = [u for u in ups if u is not None]
@@ -301,7 +338,10 @@ def _backward(build, external, axes, read_whole, values, outputs, upstream, comb
     result = iter(carried)
     # After the loop, as in the forward: the remainder's offset depends on the loop's counter.
     tail_sliced, tail_whole = slice_grads(count * chunk, tail) if tail else ([None] * n, [None] * n)
-    joined = [join_slices(next(result), a, tail_sliced[k]) if a is not None else None for k, a in enumerate(axes)]
+    # A run-time length: the joined rows cut to each input's own length.
+    joined = [None if a is None else join_slices(next(result), a, tail_sliced[k],
+                                                 None if length is None else axis_length(values[k], a))
+              for k, a in enumerate(axes)]
     summed = []
     for k, w in enumerate(read_whole):
         if not w:
@@ -367,14 +407,14 @@ def _backward_with_prologue(region, build, external, axes, read_whole, values, o
     inner_external = list(external) + [ref.deref() for ref in keys]
     inner_values = values + [derived[ref] for ref in keys]
 
-    def inner_build(vals, offset, size, sliced_from=None):
+    def inner_build(vals, offset, size, sliced_from=None, length=None):
         return build(vals[:n], offset, size, dict(zip(keys, vals[n:])),
-                     sliced_from=None if sliced_from is None else sliced_from[:n])
+                     sliced_from=None if sliced_from is None else sliced_from[:n], length=length)
 
     extra_floating = [ref.deref().dtype.is_floating for ref in keys]
-    grads = _backward(inner_build, inner_external, list(axes) + [None] * len(keys),
+    grads = _backward(region, inner_build, inner_external, list(axes) + [None] * len(keys),
                       list(read_whole) + [True] * len(keys), inner_values, outputs, upstream, combiner,
-                      region.length // chunk, chunk, region.length % chunk, list(floating) + extra_floating)
+                      chunk, list(floating) + extra_floating)
     own, through = grads[:n], grads[n:]
     carried = [(derived[ref], g) for ref, g in zip(keys, through) if g is not None]
     sources = [k for k in range(n) if floating[k]]

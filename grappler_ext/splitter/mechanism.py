@@ -15,9 +15,9 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-from grappler_ext import gradients, graph_edit
+from grappler_ext import gradients, graph_edit, shapes
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
-from grappler_ext.splitter import combiners, rules
+from grappler_ext.splitter import combiners, rules, slicing
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, forward_program
@@ -44,7 +44,8 @@ def _root_part(option, plan: ChunkPlan):
     kind = option.kind
     root_inputs = list(root.inputs)    # as now: a later split may rewire the (dead) root
     if kind == "concat":
-        def concat_partial(lookup, chunk, offset):
+        def concat_partial(lookup, chunk, offset, valid=None):
+            # Rows past a run-time length are cut off when joined (combiners._ConcatTo): no mask.
             ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
             return option.propagation.build(root, ins, chunk, offset)
         specs = [_spec_with(o, a, plan.chunk) for o, a in zip(root.outputs, option.output_axes)]
@@ -54,16 +55,22 @@ def _root_part(option, plan: ChunkPlan):
     if kind == "online_softmax":
         scores, values = option.requests[0][0], root_inputs[1]
 
-        def softmax_partial(lookup, chunk, offset):
-            v = lookup(values)
-            return combiners.softmax_partials(lookup(scores), lambda e: rules.clone_op(root, [e, v])[0])
+        def softmax_partial(lookup, chunk, offset, valid=None):
+            v, s = lookup(values), lookup(scores)
+            if valid is not None:      # keys past a run-time length weigh nothing
+                s = slicing.mask_rows(s, s.shape.rank - 1, valid, float("-inf"))
+            return combiners.softmax_partials(s, lambda e: rules.clone_op(root, [e, v])[0])
 
         keep = scores.shape.as_list()[:-1] + [1]
         specs = [tf.TensorSpec(keep, scores.dtype)] * 2 + [tf.TensorSpec(root.outputs[0].shape, scores.dtype)]
         return softmax_partial, combiners.OnlineSoftmax(), specs, True
 
-    def partial(lookup, chunk, offset):
+    def partial(lookup, chunk, offset, valid=None):
         ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
+        if valid is not None:
+            # Rows past a run-time length read as the reduction's identity (a matmul's: zeros).
+            ins = [x if a is None else slicing.mask_rows(x, a, valid, _identity(kind, x.dtype))
+                   for x, a in zip(ins, option.input_axes)]
         outs = rules.clone_op(root, ins)
         if kind.startswith("arg"):
             return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
@@ -93,13 +100,27 @@ def _root_part(option, plan: ChunkPlan):
     return partial, combiner, specs, combiner.differentiable
 
 
+def _identity(kind: str, dtype: tf.DType):
+    """The value a masked row takes in a reduction of ``kind``: one that changes no result."""
+    if kind in ("sum", "mean"):
+        return 0
+    if kind == "prod":
+        return 1
+    if kind in ("all", "any"):
+        return kind == "all"
+    largest = kind in ("max", "argmax", "top_k")
+    if dtype.is_floating:
+        return float("-inf") if largest else float("inf")
+    return dtype.min if largest else dtype.max
+
+
 def combined(options, region: Region, plan: ChunkPlan):
     """``(combiner, partial specs, differentiable, outputs per root)`` of the roots together;
     sets ``region.root_partial``."""
     parts = [_root_part(o, plan) for o in options]
     partial_fns = [p[0] for p in parts]
-    region.root_partial = lambda lookup, chunk, offset: [
-        x for fn in partial_fns for x in fn(lookup, chunk, offset)]
+    region.root_partial = lambda lookup, chunk, offset, valid=None: [
+        x for fn in partial_fns for x in fn(lookup, chunk, offset, valid)]
     # Some combiners return more (a tie count, a normaliser): each part's outputs are the root's,
     # then the combiner's hidden ones.
     counts = [len(o.root.outputs) + c.hidden_outputs for (_, c, _, _), o in zip(parts, options)]
@@ -163,11 +184,12 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int) -> int:
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
     external, forward = forward_program(region, plan.chunk, combiner, specs)
-    if any(not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant) for t in external):
+    # Dimensions known only at run time are compiled at the nominal size the plan is made at.
+    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
         raise ValueError("an input without a static shape or of a handle type")
     fn = tf.function(lambda *values: forward(*values), jit_compile=True, autograph=False)
     with tf.init_scope():
-        return measurer.function_bytes(fn, [tf.TensorSpec(t.shape, t.dtype) for t in external])
+        return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])
 
 
 def new_loops(graph, existing: set) -> list[tf.Operation]:

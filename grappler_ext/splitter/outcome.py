@@ -38,6 +38,8 @@ class Code(str, enum.Enum):
     REFUSED_OP = "refused_op"                # the region stops at an op a rule refuses (no rule, stateful, ...)
     REGION_STOPS = "region_stops"            # the region stops before it (an input, read whole or elsewhere)
     REGION_CONFLICT = "region_conflict"      # wanted along two axes, lengths differ, roots read each other
+    DYNAMIC_AXIS = "dynamic_axis"            # a run-time length it cannot plan: other axes dynamic, lengths
+                                             # that may differ, no nominal size
     JOINED_TOO_LARGE = "joined_too_large"    # the loop's joined result is over half the limit
     SAVES_TOO_LITTLE = "saves_too_little"    # nearly all the region holds is its joined result
     NO_PLAN = "no_plan"                      # no chunk fits, and a best effort would not halve the program
@@ -52,7 +54,7 @@ class Code(str, enum.Enum):
 
 # A large tensor that stays whole because no candidate region around it could be planned (the
 # warning names the largest); its record is dropped if a later region took the tensor in after all.
-CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.REGION_STOPS, Code.REGION_CONFLICT,
+CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.REGION_STOPS, Code.REGION_CONFLICT, Code.DYNAMIC_AXIS,
                           Code.JOINED_TOO_LARGE, Code.SAVES_TOO_LITTLE, Code.NO_PLAN, Code.TOP_K_TOO_SMALL})
 
 
@@ -131,6 +133,9 @@ class LoopPlan:
       rebuilt_gradients: gradients taken inside the function rebuilt through the loop.
       prologue_ops: ops before the loop it recomputes in its gradient.
       predicted_bytes: the planner's count of the program while the loop runs.
+      dynamic: the split axis' length is known only at run time: ``length`` is the nominal size the
+        loop was planned at (:mod:`grappler_ext.shapes`), and the loop runs ``ceil(n / chunk)`` slices
+        of ``chunk``, the last one's rows past ``n`` masked out (no remainder slice).
     """
 
     roots: tuple[RootSplit, ...]
@@ -146,22 +151,23 @@ class LoopPlan:
     best_effort: BestEffort | None = None
     rebuilt_gradients: int = 0
     prologue_ops: tuple[str, ...] = ()
+    dynamic: bool = False
 
     @property
     def steps(self) -> int:
-        return self.length // self.chunk
+        return -(-self.length // self.chunk) if self.dynamic else self.length // self.chunk
 
     @property
     def tail(self) -> int:
-        return self.length % self.chunk
+        return 0 if self.dynamic else self.length % self.chunk
 
     @property
     def backward_steps(self) -> int:
-        return self.length // self.backward_chunk
+        return -(-self.length // self.backward_chunk) if self.dynamic else self.length // self.backward_chunk
 
     @property
     def backward_tail(self) -> int:
-        return self.length % self.backward_chunk
+        return 0 if self.dynamic else self.length % self.backward_chunk
 
     @property
     def split_input(self) -> tuple[int, int]:
@@ -174,11 +180,17 @@ class LoopPlan:
 
     def render(self) -> str:
         """The record's one line: roots, steps x chunk (+ tail) of length, and what sized it."""
-        text = f"{self.describe()}: {self.steps} x {self.chunk}" + (f" + {self.tail}" if self.tail else "")
-        text += f" of {self.length}" + self._sizing_text()
+        if self.dynamic:
+            text = (f"{self.describe()}: chunks of {self.chunk} of a length n known at run time, ceil(n / "
+                    f"{self.chunk}) steps (planned at n = {self.length:,})")
+        else:
+            text = f"{self.describe()}: {self.steps} x {self.chunk}" + (f" + {self.tail}" if self.tail else "")
+            text += f" of {self.length}"
+        text += self._sizing_text()
         if self.has_gradient_loop and self.backward_chunk < self.chunk:
-            text += f"; its gradient {self.backward_steps} x {self.backward_chunk}" + (
-                f" + {self.backward_tail}" if self.backward_tail else "")
+            text += (f"; its gradient in chunks of {self.backward_chunk}" if self.dynamic else
+                     f"; its gradient {self.backward_steps} x {self.backward_chunk}" + (
+                         f" + {self.backward_tail}" if self.backward_tail else ""))
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"

@@ -252,18 +252,44 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         return Refusal(f"cannot split through `{op.type}`: no rule")
     if not 0 <= output_index < len(op.outputs):
         raise ValueError(f"`{op.name}` has {len(op.outputs)} outputs, no output {output_index}")
-    dynamic = _dynamic_tensor(op)
-    if dynamic is not None:
-        return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")
     rank = op.outputs[output_index].shape.rank
-    if not 0 <= axis < rank:
+    if rank is None or not 0 <= axis < rank:
+        if rank is None:
+            return Refusal(f"cannot split through `{op.type}` ({op.name}): output {output_index} has unknown rank")
         raise ValueError(f"axis {axis} out of range for output {output_index} of `{op.name}` (rank {rank})")
-    result = RULES[op.type](op, output_index, axis)
+    dynamic = _dynamic_tensor(op)
+    if dynamic is not None and op.outputs[output_index].shape[axis] is not None:
+        return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only the split axis may be "
+                       "dynamic")
+    try:
+        result = RULES[op.type](op, output_index, axis)
+    except (TypeError, ValueError):
+        if dynamic is None:
+            raise
+        # A rule that reads the sizes it needs from static shapes (a Reshape's factors).
+        return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; its rule needs static sizes")
     if result and (len(result.input_axes) != len(op.inputs) or len(result.output_axes) != len(op.outputs)
                    or result.output_axes[output_index] != axis):
         raise AssertionError(f"the split rule of `{op.type}` returned {result} for output {output_index}, "
                              f"axis {axis}")
+    if result and dynamic is not None:
+        stray = _dynamic_off_axis(op, result)
+        if stray is not None:
+            return Refusal(f"cannot split through `{op.type}` ({op.name}): {stray}; only the split axis may be "
+                           "dynamic")
     return result
+
+
+def _dynamic_off_axis(op: tf.Operation, prop: Propagation) -> str | None:
+    """The first input or output of ``op`` with a dimension unknown until run time other than the
+    one ``prop`` splits it along (a tensor read whole must be static), or ``None``."""
+    for kind, tensors, axes in (("input", op.inputs, prop.input_axes), ("output", op.outputs, prop.output_axes)):
+        for i, (t, a) in enumerate(zip(tensors, axes)):
+            if t.shape.rank is None:
+                return f"{kind} {i} has unknown rank"
+            if any(d is None and j != a for j, d in enumerate(t.shape.as_list())):
+                return f"{kind} {i} has dynamic shape {t.shape}" + ("" if a is None else f", split along {a}")
+    return None
 
 
 def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusal:
@@ -313,10 +339,9 @@ def clone_op(op: tf.Operation, new_inputs: Sequence[tf.Tensor]) -> list[tf.Tenso
     return _clone(op, new_inputs)
 
 
-def _with_chunk(dims: Sequence[int], axis: int, chunk: int) -> list[int]:
-    dims = [int(d) for d in dims]
-    dims[axis] = chunk
-    return dims
+def _with_chunk(dims: Sequence[int | None], axis: int, chunk: int) -> list[int]:
+    """``dims`` with ``chunk`` at ``axis`` (the only dimension that may be unknown: the split one)."""
+    return [int(chunk) if i == axis else int(d) for i, d in enumerate(dims)]
 
 
 # --- helpers the rules read ----------------------------------------------------------------------
@@ -633,7 +658,9 @@ def _reshape(op, output_index, axis):
     in_dims, out_dims = _dims(op.inputs[0]), _dims(op.outputs[0])
     before = math.prod(out_dims[:axis])
     for b, n in enumerate(in_dims):
-        if math.prod(in_dims[:b]) == before and n == out_dims[axis]:
+        # A size known only at run time is kept only with the same static sizes after it.
+        if math.prod(in_dims[:b]) == before and n == out_dims[axis] and (
+                n is not None or math.prod(in_dims[b + 1:]) == math.prod(out_dims[axis + 1:])):
             break
     else:
         return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}) "

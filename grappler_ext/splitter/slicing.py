@@ -3,6 +3,13 @@
     dynamic_slice(t, axis, offset, c)   =  t[.., offset:offset + c, ..]       (static shape, offset a tensor)
     join_slices(stacked slices, axis)   =  concat(slices, axis)               (one transpose and a reshape)
 
+and, for an axis whose length ``n`` is known only at run time (a loop of ``ceil(n / c)`` slices of
+``c``, the last one running past ``n``):
+
+    clamped_slice(t, axis, offset, c)   =  t[.., min(offset + i, n - 1), ..] for i < c  (static shape)
+    valid_rows(offset, c, n)            =  offset + i < n                       ([c] booleans)
+    mask_rows(t, axis, valid, fill)     =  t where valid, else fill
+
 The loops (:mod:`.loop`) cut their inputs with the first; the combiners (:mod:`.combiners`) join
 their outputs with the second and route a concatenated output's gradient back to its slices with
 the first.  Nothing here knows about regions or plans.
@@ -12,7 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["dynamic_slice", "join_slices"]
+__all__ = ["dynamic_slice", "join_slices", "clamped_slice", "valid_rows", "mask_rows", "trimmed", "axis_length"]
 
 
 def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
@@ -24,16 +31,71 @@ def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
     return tf.slice(t, begin, sizes)
 
 
-def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None) -> tf.Tensor:
+def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None, length=None) -> tf.Tensor:
     """Join the slices written to ``array`` (each ``[.., c, ..]``, ``c`` at ``axis``) and ``tail``.
 
     ``stack`` gives ``[S, .., c, ..]``; moving ``S`` next to the split axis and merging the two
-    axes gives the slices in order along ``axis``; the remainder slice is appended.
+    axes gives the slices in order along ``axis``; the remainder slice is appended.  ``length``
+    (a scalar tensor): the number of slices is known only at run time, and the joined rows past
+    ``length`` (the last slice's, past the end) are cut off.
     """
     stacked = array.stack()                                             # [S, d0, .., c, ..]
     shape = stacked.shape.as_list()
     rank = len(shape) - 1
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank + 1))
     moved = tf.transpose(stacked, perm) if axis else stacked             # [d0, .., S, c, ..]
-    out = tf.reshape(moved, shape[1:axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2:])
+    merged = -1 if shape[0] is None or shape[axis + 1] is None else shape[0] * shape[axis + 1]
+    target = shape[1:axis + 1] + [merged] + shape[axis + 2:]
+    if any(d is None for d in target):
+        # Slices whose other dimensions shape inference lost (a gradient's): read when it runs.
+        dims = tf.shape(stacked)
+        target = tf.stack([dims[i + 1] if d is None else d for i, d in enumerate(shape[1:axis + 1])] + [merged]
+                          + [dims[axis + 2 + i] if d is None else d for i, d in enumerate(shape[axis + 2:])])
+    out = tf.reshape(moved, target)
+    if length is not None:
+        out = trimmed(out, axis, length)
     return out if tail is None else tf.concat([out, tail], axis=axis)
+
+
+def axis_length(t: tf.Tensor, axis: int) -> tf.Tensor:
+    """``t``'s length along ``axis`` as an int32 scalar (a constant XLA resolves when it compiles)."""
+    return tf.shape(t, out_type=tf.int32)[axis]
+
+
+def trimmed(t: tf.Tensor, axis: int, length) -> tf.Tensor:
+    """The first ``length`` rows of ``t`` along ``axis``."""
+    rank = t.shape.rank
+    # Built by concatenation, which XLA resolves to a constant when it compiles (a scatter into the
+    # sizes is not resolved: XLA then keeps the whole bound, silently).
+    size = tf.concat([tf.fill([axis], -1), tf.reshape(tf.cast(length, tf.int32), [1]),
+                      tf.fill([rank - axis - 1], -1)], 0)
+    out = tf.slice(t, tf.zeros([rank], tf.int32), size)
+    known = t.shape.as_list()
+    known[axis] = None
+    out.set_shape(known)                         # the other dimensions as they were
+    return out
+
+
+def clamped_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
+    """Rows ``offset .. offset + size - 1`` of ``t`` along ``axis``, each index past the end read as
+    the last row: a static ``[.., size, ..]`` slice whatever ``t``'s length (one row of zeros is read
+    if ``t`` is empty: XLA compiles the loop's body even when it never runs)."""
+    n = axis_length(t, axis)
+    rank = t.shape.rank
+    paddings = tf.concat([tf.zeros([axis, 2], tf.int32), tf.reshape(tf.stack([0, tf.maximum(0, 1 - n)]), [1, 2]),
+                          tf.zeros([rank - axis - 1, 2], tf.int32)], 0)
+    t = tf.pad(t, paddings)                      # no padding at all unless t is empty: XLA drops it
+    index = tf.minimum(tf.cast(offset, tf.int32) + tf.range(size), tf.maximum(n, 1) - 1)
+    return tf.gather(t, index, axis=axis)
+
+
+def valid_rows(offset, size: int, length) -> tf.Tensor:
+    """``[size]`` booleans: which rows of the slice at ``offset`` are before ``length``."""
+    return tf.cast(offset, tf.int32) + tf.range(size) < tf.cast(length, tf.int32)
+
+
+def mask_rows(t: tf.Tensor, axis: int, valid: tf.Tensor, fill) -> tf.Tensor:
+    """``t`` with the rows along ``axis`` that ``valid`` marks false replaced by ``fill``."""
+    shape = [1] * t.shape.rank
+    shape[axis] = -1
+    return tf.where(tf.reshape(valid, shape), t, tf.cast(fill, t.dtype))

@@ -12,6 +12,9 @@ import dataclasses
 __all__ = ["Tuning", "DEFAULT_TUNING"]
 
 
+_AT_LEAST_ONE = frozenset({"backward_cost_factor", "dynamic_over"})   # factors, not fractions
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """The splitter's tuning.  Fractions are of the limit (or of the bytes named), in (0, 1].
@@ -60,6 +63,10 @@ class Tuning:
         its bytes (an attention's keys: einsum and bias, 1/8) ...
       prologue_ops: ... in at most this many ops ...
       prologue_min_bytes: ... and only for tensors at least this large.
+      dynamic_over: a program with dimensions known only at run time (a ``None`` in its
+        ``input_signature``) is planned at the nominal size where what grows with them is this many
+        times the limit: large enough that a loop is planned for each tensor that grows, small
+        enough that what cannot be split (the inputs themselves) does not crowd the plan out.
     """
 
     safety_margin: float = 0.7
@@ -80,14 +87,15 @@ class Tuning:
     prologue_share: float = 0.5
     prologue_ops: int = 8
     prologue_min_bytes: int = 1 << 16
+    dynamic_over: float = 4.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "float":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    value >= 1 if f.name == "backward_cost_factor" else 0 < value <= 1)
-                accepted = ">= 1" if f.name == "backward_cost_factor" else "in (0, 1]"
+                    value >= 1 if f.name in _AT_LEAST_ONE else 0 < value <= 1)
+                accepted = ">= 1" if f.name in _AT_LEAST_ONE else "in (0, 1]"
             else:
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if f.name == "replans"
                                                                                           else 1)

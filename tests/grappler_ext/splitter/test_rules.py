@@ -453,8 +453,11 @@ def test_variable_ops():
     (lambda x: tf.reduce_sum(x, 1, keepdims=True), [3, 4], 1, "axis 1 is reduced by `Sum`"),
     (tf.nn.softmax, [3, 4], 1, "`Softmax` normalises over axis 1, the split axis"),
     (lambda x: tf.reshape(x, [12]), [3, 4], 0, "`Reshape` [3, 4] -> [12] does not keep axis 0 (size 12)"),
-    (tf.exp, [None, 3], 0, "`Exp` (Exp): input 0 has dynamic shape (None, 3); only static shapes are split"),
+    (tf.exp, [None, 3], 1, "`Exp` (Exp): input 0 has dynamic shape (None, 3); only the split axis may be dynamic"),
     (lambda x: tf.reshape(x, tf.shape(x)), [None, 3], 1, "dynamic shape"),
+    # [n, 4] -> [2n, 2]: both first dimensions unknown, but the axis is merged with another.
+    (lambda x: tf.reshape(x, [-1, 2]), [None, 4], 0, "cannot split through `Reshape`"),
+    (lambda x: tf.reduce_sum(x, 1), [None, None], 0, "only the split axis may be dynamic"),
 ])
 def test_refusal_reasons(fn, spec, axis, reason):
     op = _op(fn, tf.TensorSpec(spec))
@@ -462,6 +465,19 @@ def test_refusal_reasons(fn, spec, axis, reason):
     assert isinstance(result, Refusal) and not result
     assert reason in result.reason
     assert "\n" not in result.reason
+
+
+@pytest.mark.parametrize("fn, spec, axis, input_axes", [
+    (tf.exp, [None, 3], 0, (0,)),
+    (lambda x: tf.reshape(x, [-1, 3, 2]), [None, 6], 0, (0, None)),
+    (lambda x: x + tf.ones([1, 3]), [None, 3], 0, (0, None)),
+    (lambda x: tf.reduce_sum(x, 1), [None, 3], 0, (0, None)),
+])
+def test_a_dynamic_split_axis_is_split(fn, spec, axis, input_axes):
+    op = _op(fn, tf.TensorSpec(spec))
+    result = propagate(op, 0, axis)
+    assert result, result
+    assert result.input_axes == input_axes
 
 
 def test_non_constant_arguments_are_refused():

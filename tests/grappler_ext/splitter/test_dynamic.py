@@ -1,0 +1,236 @@
+"""Splitting along a dimension known only at run time (``input_signature=[tf.TensorSpec([None, 3])]``).
+
+The loops are planned at a nominal size and take their trip count from the shapes when the function
+runs (XLA compiles it once per concrete shape).  Each case is checked against the unsplit function
+at lengths around the planned chunk ``c``: 0, 1, c - 1, c, c + 1 and 7c + 3, forward and gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext import shapes
+from grappler_ext.splitter import analysis
+from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
+
+rng = np.random.RandomState(0)
+DB = tf.constant(rng.randn(2000, 3).astype(np.float32))
+VALUES = tf.constant(rng.randn(2000, 2).astype(np.float32))
+SPEC = [tf.TensorSpec([None, 3])]
+LIMIT = 3_000_000
+
+
+def _sq(q):
+    return tf.reduce_sum(tf.square(q[:, None, :] - DB[None]), -1)         # [n, 2000]
+
+
+def kernel_matvec(q):                          # a concat root along the dynamic axis
+    return tf.exp(-_sq(q)) @ VALUES
+
+
+def nearest_five(q):                           # top-k per row
+    return tf.math.top_k(-_sq(q), k=5)[1]
+
+
+def reductions_over_n(q):                      # sum, max and mean along the dynamic axis
+    e = tf.exp(-_sq(q))
+    return tf.reduce_sum(e, 0), tf.reduce_max(-_sq(q), 0), tf.reduce_mean(e, 0)
+
+
+FORWARD = {"kernel_matvec": kernel_matvec, "nearest_five": nearest_five, "reductions_over_n": reductions_over_n}
+
+
+def _records(fn_name: str):
+    report = next(r for r in reversed(tf_memsafe.reports()) if r.function_name.startswith(fn_name)
+                  or fn_name in r.function_name)
+    return [r for r in report.records if r.pass_name == "splitter"]
+
+
+def _lengths(chunk: int) -> list[int]:
+    return sorted({0, 1, max(1, chunk - 1), chunk, chunk + 1, 7 * chunk + 3})
+
+
+def _close(got, want, what):
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape, what
+        if g.dtype.kind in "iu":
+            assert (g == w).all(), what
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5, equal_nan=True, err_msg=what)
+
+
+def _split(fn, limit=LIMIT):
+    """``fn`` traced with a dynamic first dimension under ``limit``: the function and its loop's plan."""
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        f = tf.function(fn, jit_compile=True, input_signature=SPEC)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # a split program says nothing
+            f.get_concrete_function()
+        records = _records(fn.__name__)
+    finally:
+        tf_memsafe.disable()
+    plans = [r.plan for r in records if r.code == Code.SPLIT]
+    assert plans, [r.reason for r in records]
+    assert all(p.dynamic for p in plans)
+    assert records[0].code == Code.DYNAMIC_SHAPES and "planned at" in records[0].reason
+    return f, plans
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD))
+def test_forward_equals_unsplit_at_every_length(name):
+    fn = FORWARD[name]
+    f, plans = _split(fn)
+    naive = tf.function(fn, jit_compile=True)
+    for n in _lengths(plans[0].chunk):
+        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
+        _close(f(q), naive(q), f"{name} at n = {n}")
+
+
+def test_xla_figure_at_a_concrete_length_is_within_the_limit():
+    f, plans = _split(kernel_matvec)
+    n = 20 * plans[0].chunk
+    tf_memsafe.enable(LIMIT)
+    try:
+        after = tf_memsafe.memory_footprint(f, tf.TensorSpec([n, 3]))
+    finally:
+        tf_memsafe.disable()
+    before = tf_memsafe.memory_footprint(f, tf.TensorSpec([n, 3]), rewrite=False)
+    assert before > 5 * LIMIT
+    assert after <= LIMIT
+
+
+def _step(loss):
+    def step(q):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            value = loss(q)
+        return (value,) + tuple(tape.gradient(value, [q]))
+    step.__name__ = f"step_{loss.__name__}"
+    return step
+
+
+def column_sums_squared(q):
+    return tf.reduce_sum(tf.reduce_sum(tf.exp(-_sq(q)), axis=0) ** 2)
+
+
+def row_sums_squared(q):
+    return tf.reduce_sum(tf.reduce_sum(tf.exp(-_sq(q)), axis=1) ** 2)
+
+
+def matvec_loss(q):
+    return tf.reduce_sum(tf.sin(kernel_matvec(q)))
+
+
+@pytest.mark.parametrize("loss", [column_sums_squared, row_sums_squared, matvec_loss], ids=lambda f: f.__name__)
+def test_gradients_inside_equal_unsplit(loss):
+    step = _step(loss)
+    f, plans = _split(step)
+    naive = tf.function(step, jit_compile=True)
+    for n in _lengths(plans[0].chunk):
+        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
+        _close(f(q), naive(q), f"{loss.__name__} at n = {n}")
+
+
+def test_gradient_with_the_tape_outside():
+    f, plans = _split(kernel_matvec)
+    naive = tf.function(kernel_matvec, jit_compile=True)
+    for n in (1, plans[0].chunk + 1, 3 * plans[0].chunk):
+        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
+        grads = []
+        for g in (f, naive):
+            with tf.GradientTape() as tape:
+                tape.watch(q)
+                y = tf.reduce_sum(tf.sin(g(q)))
+            grads.append(tape.gradient(y, q))
+        _close(grads[0], grads[1], f"gradient at n = {n}")
+
+
+def test_two_dynamic_dimensions_are_left_alone_with_a_warning():
+    def fn(q):
+        return tf.exp(-tf.reduce_sum(tf.square(q[:, None, :] - q[None]), -1)) @ tf.ones([tf.shape(q)[0], 1])
+    tf_memsafe.enable(LIMIT)
+    try:
+        f = tf.function(fn, jit_compile=True, input_signature=SPEC)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            f.get_concrete_function()
+        records = _records("fn")
+    finally:
+        tf_memsafe.disable()
+    assert not any(r.code == Code.SPLIT for r in records)
+    messages = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+    assert len(messages) == 1 and "`q:0` dimension 0 of [?, 3]" in messages[0]
+    q = tf.constant(rng.randn(7, 3).astype(np.float32))
+    _close(f(q), tf.function(fn, jit_compile=True)(q), "left alone")
+
+
+def test_a_program_that_fits_at_any_useful_size_says_how_far():
+    def knn(q):
+        return tf.argmin(_sq(q), axis=1)      # the distance and argmin fuse: a few bytes a query
+    tf_memsafe.enable(LIMIT)
+    try:
+        f = tf.function(knn, jit_compile=True, input_signature=SPEC)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            f.get_concrete_function()
+    finally:
+        tf_memsafe.disable()
+    messages = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+    assert len(messages) == 1 and "within the limit up to about" in messages[0]
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+
+
+def test_nominal_sizes_are_per_context_and_validated():
+    g = tf.Graph()
+    with g.as_default():
+        t = tf.compat.v1.placeholder(tf.float32, [None, 3])
+    assert shapes.dims(t) == [None, 3] and shapes.nbytes(t) == 0 and not shapes.is_static(t)
+    with shapes.nominal(10):
+        assert shapes.dims(t) == [10, 3] and shapes.nbytes(t) == 120 and shapes.is_static(t)
+        assert shapes.concrete_spec(t) == tf.TensorSpec([10, 3])
+        with shapes.nominal(4):
+            assert shapes.num_elements(t) == 12
+        assert shapes.nominal_size() == 10
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(shapes.nominal_size()))
+        thread.start()
+        thread.join()
+        assert seen == [None]                        # another thread plans with its own
+    assert shapes.nominal_size() is None
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="nominal size"):
+            with shapes.nominal(bad):
+                pass
+
+
+def test_length_sources():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        y = tf.compat.v1.placeholder(tf.float32, [None])
+        z = tf.exp(x) * 2.0
+        w = tf.broadcast_to(tf.reduce_sum(z, 0, keepdims=True), tf.shape(z))
+        u, _ = tf.unique(y)
+    # Features and labels: the function's inputs, one batch.
+    assert analysis.length_source(z, 0) == analysis.length_source(y, 0)
+    # broadcast_to(g, tf.shape(z)) has z's length.
+    assert analysis.length_source(w, 0) == analysis.length_source(x, 0)
+    # A length decided by the data is its own.
+    assert analysis.length_source(u, 0) == (u.name, 0)
+
+
+def test_plan_text_of_a_dynamic_loop():
+    plan = LoopPlan((RootSplit("MatMul", "MatMul", "concat", (0, None)),), 1000, 200, 200, 1, dynamic=True)
+    assert plan.steps == 5 and plan.tail == 0
+    text = plan.render()
+    assert "chunks of 200 of a length n known at run time" in text and "planned at n = 1,000" in text
