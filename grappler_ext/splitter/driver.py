@@ -103,6 +103,11 @@ class _Run:
             return self.result
         est, info = memory_model.analyse(self.graph)
         if est.dynamic_tensors and self._dynamic_inputs():
+            if any(graph_edit.is_generated(name) for name in est.unknown_ops):
+                # The pipeline's next iteration: planned (and warned about) when its loops were built.
+                self.result.skip([], "dynamic shapes: its loops are already split, planned at a nominal size",
+                                 code=Code.DYNAMIC_SHAPES)
+                return self.result
             planned = self._run_nominal()
             if planned is not None:
                 self._warn()
