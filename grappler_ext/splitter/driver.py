@@ -20,7 +20,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.op_types import nbytes
 from grappler_ext.pass_base import SKIPPED, GraphPass, PassOptions, PassResult
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, policy, rules
+from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.measure import Figure, Measurer, program_figure
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, LoopPlan, Sizing, Why
@@ -90,7 +90,7 @@ class _Run:
         self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
-        self.growth: tuple[int, float] | None = None     # dynamic shapes: the model's bytes at size 1, and a unit
+        self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
 
     def figure(self) -> Figure:
         return program_figure(self.checker, self.graph)
@@ -102,7 +102,7 @@ class _Run:
             self.result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
             return self.result
         est, info = memory_model.analyse(self.graph)
-        if est.dynamic_tensors and self._dynamic_inputs():
+        if est.dynamic_tensors and nominal.dynamic_inputs(self.graph):
             if any(graph_edit.is_generated(name) for name in est.unknown_ops):
                 # The pipeline's next iteration: planned (and warned about) when its loops were built.
                 self.result.skip([], "dynamic shapes: its loops are already split, planned at a nominal size",
@@ -116,50 +116,19 @@ class _Run:
         self._warn()
         return result
 
-    def _dynamic_inputs(self) -> list:
-        """The function's own inputs with dimensions known only at run time (what the user chose:
-        a ``None`` in an ``input_signature``, a batch from ``tf.data``)."""
-        return [t for t in self.graph.inputs if t.dtype not in (tf.resource, tf.variant)
-                and not t.shape.is_fully_defined()]
-
-    def _nominal_size(self) -> int | None:
-        """The size the dimensions known only at run time are planned at: where what grows with
-        them is ``Tuning.dynamic_over`` times the limit, by the memory model (taking them as one
-        size).  ``None`` where nothing grows with them, or the model cannot count the program."""
-        def needs(n: int) -> int | None:
-            with shapes.nominal(n):
-                est, _ = memory_model.analyse(self.graph)
-            if est.dynamic_tensors:          # sizes decided inside the program too (a sparse update's)
-                return None
-            return est.peak_bytes if est.peak_bytes is not None else (
-                None if est.unknown_ops else est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
-
-        probe = 1024
-        low, high = needs(1), needs(probe + 1)
-        if low is None or high is None:
-            return None
-        self.growth = (low, (high - low) / probe)
-        if high <= low:
-            return None
-        target = self.tuning.dynamic_over * self.limit
-        size = max(2, min(2**31 - 1, int(-(-target * probe // (high - low)))))
-        # What grows faster than the size (a [n, n] distance matrix): halved until it is within twice
-        # the target.
-        for _ in range(16):
-            grown = needs(size)
-            if grown is None or size <= 2 or grown - low <= 2 * target:
-                break
-            size //= 2
-        return size
-
     def _run_nominal(self) -> PassResult | None:
         """The program planned at a nominal size for its dimensions known only at run time
         (:mod:`grappler_ext.shapes`), its loops taking their lengths from the shapes at run time;
         ``None`` (and the graph as it was) where that splits nothing."""
-        size = self._nominal_size()
+        def needs(size):
+            return nominal.needs_at(self.graph, size)
+
+        self.growth = nominal.growth(needs)
+        size = None if self.growth is None else nominal.nominal_size(self.growth, needs, self.limit,
+                                                                     self.tuning.dynamic_over)
         if size is None:
             return None
-        inputs = self._dynamic_inputs()
+        inputs = nominal.dynamic_inputs(self.graph)
         shown = ", ".join(self._dimension(t.name) for t in inputs[:3]) + (", ..." if len(inputs) > 3 else "")
         with shapes.nominal(size):
             est, info = memory_model.analyse(self.graph)
@@ -276,12 +245,11 @@ class _Run:
         """What the memory model says the program needs as its run-time dimensions grow, if it could say."""
         if self.growth is None:
             return ""
-        base, per_unit = self.growth
-        within = (self.limit - base) / per_unit if per_unit > 0 else float("inf")
-        upto = (f"; within the limit up to about {int(within):,}" if 1 <= within < float("inf") else
-                "; within the limit at any size" if within == float("inf") else "")
-        return (f" (by the memory model, about {_mb(base)} and {per_unit:,.0f} B more for each unit of those "
-                f"dimensions{upto})")
+        within = self.growth.within(self.limit)
+        upto = ("" if within is None else "; within the limit at any size" if within == float("inf") else
+                f"; within the limit up to about {int(within):,}")
+        return (f" (by the memory model, about {_mb(self.growth.base_bytes)} and {self.growth.per_unit:,.0f} B more "
+                f"for each unit of those dimensions{upto})")
 
     def _dimension(self, name: str) -> str:
         """A dynamic tensor as a person finds it: "`x:0` dimension 0 of [?, 3]"."""

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
-from grappler_ext.splitter import analysis
+from grappler_ext.splitter import analysis, nominal
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
 
 rng = np.random.RandomState(0)
@@ -234,3 +234,18 @@ def test_plan_text_of_a_dynamic_loop():
     assert plan.steps == 5 and plan.tail == 0
     text = plan.render()
     assert "chunks of 200 of a length n known at run time" in text and "planned at n = 1,000" in text
+
+
+def test_nominal_size_where_what_grows_is_over_times_the_limit():
+    linear = nominal.growth(lambda n: 1000 + 10 * n)
+    assert linear == nominal.Growth(1010, 10.0)
+    assert linear.within(2010) == pytest.approx(101) and linear.within(500) is None
+    assert nominal.Growth(10, 0.0).within(100) == float("inf")
+    size = nominal.nominal_size(linear, lambda n: 1000 + 10 * n, limit=10_000, over=4)
+    assert size == 4000                                     # 10 B a unit: 40 kB grows at 4000
+    # A [n, n] tensor grows faster than the line through 1 and 1025: halved until within twice the target.
+    square = nominal.growth(lambda n: n * n)
+    size = nominal.nominal_size(square, lambda n: n * n, limit=10**6, over=4)
+    assert size * size <= 2 * 4 * 10**6 + 1 < (2 * size) ** 2
+    assert nominal.nominal_size(nominal.Growth(5, 0.0), lambda n: 5, 100, 4) is None
+    assert nominal.growth(lambda n: None) is None

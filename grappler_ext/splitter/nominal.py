@@ -1,0 +1,88 @@
+"""The size a program's run-time dimensions are planned at, from how its memory grows with them.
+
+A function traced with a ``None`` in its ``input_signature`` (or generalised by
+``reduce_retracing``, or by Keras' ``fit`` on a ``tf.data`` pipeline with a short last batch) has
+dimensions known only when it runs.  The splitter plans it at one nominal size for all of them
+(:mod:`grappler_ext.shapes`), builds loops that read their lengths at run time, and XLA compiles
+the result once per concrete shape.  This module says which size:
+
+    growth(graph)                    the memory model's bytes at size 1, and per unit of size more
+    nominal_size(growth, limit, ..)  the size where what grows is ``over`` times the limit
+
+At that size every tensor that grows with the dimension is large for the limit (so each gets a
+loop), and what cannot be split (the inputs themselves, the outputs) is still a small part of it.
+A loop's chunk is planned there, and is right at every other size: a slice's cost does not depend on
+the length (only the split axis may be unknown), so the loops keep the limit wherever the rest of
+the program does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from grappler_ext import memory_model, shapes
+
+__all__ = ["Growth", "dynamic_inputs", "needs_at", "growth", "nominal_size"]
+
+PROBE = 1024          # the second size the model is asked at (the first: 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """The memory model's count of a program with run-time dimensions: ``base_bytes`` at size 1 and
+    ``per_unit`` bytes more for each unit of size (all of them taken as one size)."""
+
+    base_bytes: int
+    per_unit: float
+
+    def within(self, limit: int) -> float | None:
+        """The size up to which the program is within ``limit`` (``inf``: at any size; ``None``: not even at 1)."""
+        if self.base_bytes > limit:
+            return None
+        return float("inf") if self.per_unit <= 0 else 1 + (limit - self.base_bytes) / self.per_unit
+
+
+def dynamic_inputs(graph) -> list[tf.Tensor]:
+    """The function's own inputs with dimensions known only at run time (what the user chose: a
+    ``None`` in an ``input_signature``, a batch from ``tf.data``)."""
+    return [t for t in graph.inputs if t.dtype not in (tf.resource, tf.variant) and not t.shape.is_fully_defined()]
+
+
+def needs_at(graph, size: int) -> int | None:
+    """The memory model's count of ``graph`` with its run-time dimensions at ``size`` (the static part,
+    a lower bound, where an op has no byte rule); ``None`` where sizes decided inside the program
+    stay unknown (a sparse update's ``Unique``)."""
+    with shapes.nominal(size):
+        est, _ = memory_model.analyse(graph)
+    if est.dynamic_tensors:
+        return None
+    if est.peak_bytes is not None:
+        return est.peak_bytes
+    return None if est.unknown_ops else est.parameter_bytes + est.constant_bytes + est.live_peak_bytes
+
+
+def growth(needs: Callable[[int], int | None]) -> Growth | None:
+    """How ``needs(size)`` grows, from sizes 1 and ``1 + PROBE``; ``None`` where it cannot say."""
+    low, high = needs(1), needs(1 + PROBE)
+    if low is None or high is None:
+        return None
+    return Growth(low, (high - low) / PROBE)
+
+
+def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float) -> int | None:
+    """The size where what grows is ``over`` times ``limit`` by the memory model, or ``None`` where
+    nothing grows.  The straight line through sizes 1 and ``1 + PROBE`` first; what grows faster than
+    the size (a [n, n] matrix) halves it until it is within twice the target."""
+    if grows.per_unit <= 0:
+        return None
+    target = over * limit
+    size = max(2, min(2**31 - 1, int(-(-target // grows.per_unit))))
+    for _ in range(16):
+        at = needs(size)
+        if at is None or size <= 2 or at - grows.base_bytes <= 2 * target:
+            break
+        size //= 2
+    return size
