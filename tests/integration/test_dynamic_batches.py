@@ -1,0 +1,74 @@
+"""Keras ``fit`` on a ``tf.data`` pipeline whose last batch is short: the step is traced with the batch
+dimension unknown (``None``), and the splitter splits it along the batch all the same (issue 27).
+
+An MLP written the ordinary way (two ``Dense(1024, relu)`` layers on 64 features, a 10-way sparse
+cross-entropy, SGD), 5000 examples in batches of 2048 (the last 904), under a 30 MB limit.  The
+step is planned at a nominal batch where what grows with it is 4x the limit (7172 rows: each
+[7172, 1024] activation is 29 MB, the naive step over 100 MB by the memory model) and its loops read
+the batch when the step runs.  Both Keras versions: losses equal to the unsplit fit's, one loop with
+a run-time length, within the limit by XLA's figure at the nominal batch, and nothing said.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext.splitter.outcome import Code
+from tf_memsafe import hook
+
+pytestmark = pytest.mark.slow
+
+N, FEATURES, HIDDEN, BATCH = 5000, 64, 1024, 2048
+LIMIT = 30 * 10**6
+
+
+def _keras(version: str):
+    if version == "keras3":
+        import keras
+    else:
+        import tf_keras as keras
+    return keras
+
+
+def _fit(keras, enabled: bool):
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(N, FEATURES).astype(np.float32), rng.randint(0, 10, N)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)       # 2048, 2048, 904: batch None
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(HIDDEN, activation="relu"),
+                              keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if enabled:
+        tf_memsafe.enable(LIMIT)
+    mark = hook.report_mark()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(data, epochs=1, verbose=0)
+    finally:
+        tf_memsafe.disable()
+    said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+    records = [r for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
+    return history.history["loss"], records, said
+
+
+@pytest.mark.parametrize("version", ["tf_keras", "keras3"])
+def test_fit_on_a_short_last_batch_is_split_along_the_batch(version):
+    keras = _keras(version)
+    expected, _, _ = _fit(keras, enabled=False)
+    losses, records, said = _fit(keras, enabled=True)
+    assert said == []
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    codes = [r.code for r in records]
+    assert codes[0] == Code.DYNAMIC_SHAPES and "`data:0` dimension 0 of [?, 64]" in records[0].reason
+    loops = [r.plan for r in records if r.code == Code.SPLIT]
+    assert loops and all(p.dynamic and p.rebuilt_gradients for p in loops)
+    # XLA's figure for the step as split, at the nominal batch, is within the limit.
+    figures = [r for r in records if r.code in (Code.CHECKED_WITHIN, Code.GROWN)]
+    assert figures or Code.WITHIN_LIMIT in codes, [r.reason for r in records]
