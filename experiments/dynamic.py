@@ -49,7 +49,8 @@ class Row:
     method: str               # "naive", "static" (a trace per shape), "dynamic" (one [None, 3] trace)
     xla_bytes: int
     within_limit: bool
-    first_call_s: float       # this method's first call at this n: trace + rewrite + compile (dynamic: compile only after its first n)
+    first_call_s: float       # the first call at this n: trace + rewrite + compile (dynamic: a compile only,
+                              # after its first n)
     median_s: float
     max_rel_diff: float       # against the naive function (the static split where naive is not run): the
                               # largest difference over the largest magnitude, per output

@@ -54,7 +54,7 @@ import tensorflow as tf
 from grappler_ext import folding
 from grappler_ext.splitter.combiners import Combiner
 from grappler_ext.splitter.rules import clone_op
-from grappler_ext.splitter.slicing import axis_length, clamped_slice, dynamic_slice, join_slices, trimmed, valid_rows
+from grappler_ext.splitter.slicing import axis_length, clamped_slice, dynamic_slice, join_slices, valid_rows
 
 __all__ = ["Region", "build_split", "forward_program", "external_inputs"]
 
