@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from fractions import Fraction
 
 import numpy as np
 import tensorflow as tf
@@ -151,29 +152,49 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     input_axes: dict = {}
     rebuild: dict = {}
     sliced_inputs: dict = {}
+    scale_of: dict = {}            # (op, output index) -> how many rows of it a row of the roots' axis is
     stops: list = []
     length = _UNSET                # the split axis' length: an int, or None where it is known at run time
 
-    def request(t: tf.Tensor, axis: int | None):
+    def request(t: tf.Tensor, axis: int | None, scale: Fraction = Fraction(1)):
         if axis is None:
             whole.add(t.ref())
             return
-        requests.setdefault((t.op, t.value_index), set()).add(axis)
+        key = (t.op, t.value_index)
+        requests.setdefault(key, set()).add(axis)
+        scale_of.setdefault(key, set()).add(scale)
         if t.op not in queued:
             queued.add(t.op)
             heapq.heappush(heap, (-order_index.get(t.op, -1), id(t.op), t.op))
 
     for option in options:
-        for t, a in option.requests or zip(option.root.inputs, option.input_axes):
-            request(t, a)
+        prop = option.propagation if option.kind == "concat" else None
+        for i, (t, a) in enumerate(option.requests or zip(option.root.inputs, option.input_axes)):
+            request(t, a, prop.scale(i) if prop is not None else Fraction(1))
+    scales: dict = {}
     while heap:
         _, _, op = heapq.heappop(heap)
         wanted = {k: axes for (o, k), axes in requests.items() if o is op}
+        found = set().union(*(scale_of[(op, k)] for k in wanted))
+        if len(found) > 1 or any(x.denominator != 1 for x in found):
+            # Rows of the roots' axis as a fraction of this op's rows (a merge below the roots), or
+            # two factors at once: no slice of it is a whole number of rows.
+            return Why(Code.REGION_CONFLICT, f"`{op.name}` is needed in slices of {sorted(map(str, found))} rows per "
+                                             "row of the split axis")
+        scale = found.pop()
         for k, axes in wanted.items():
             if len(axes) > 1:
                 return Why(Code.REGION_CONFLICT, f"`{op.name}` output {k} is needed along axes {sorted(axes)}")
             axis = next(iter(axes))
             dim = op.outputs[k].shape[axis]
+            if dim is not None and scale != 1:
+                if dim % scale:
+                    return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {dim} along the split axis, not a "
+                                                     f"multiple of {scale}")
+                dim = dim // int(scale)
+            elif dim is None and scale != 1:
+                return Why(Code.DYNAMIC_AXIS, f"`{op.name}` has a run-time length along the split axis, reached "
+                                              "through a reshape's factor")
             if length is _UNSET:
                 length = dim
             elif dim != length:
@@ -188,16 +209,25 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
                 stop = Why(Code.REFUSED_OP, prop.reason)
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
+            elif scale != 1 and prop.rebuild_at is not None:
+                # Its slice depends on where it starts (a band, a draw keyed by its offset): only
+                # along the roots' own rows.
+                stop = Why(Code.REFUSED_OP, f"`{op.type}` ({op.name}) is read through a reshape's factor and "
+                                            "depends on where its slice starts")
         if stop is not None:
             for k, axes in wanted.items():
                 sliced_inputs[op.outputs[k].ref()] = next(iter(axes))
+                if scale != 1:
+                    scales[op.outputs[k].ref()] = int(scale)
             stops.append((max(nbytes(op.outputs[k]) for k in wanted), stop))
             continue
         included.add(op)
         input_axes[op] = prop.input_axes
         rebuild[op] = prop.build
-        for t, a in zip(op.inputs, prop.input_axes):
-            request(t, a)
+        if scale != 1:
+            scales[op] = int(scale)
+        for i, (t, a) in enumerate(zip(op.inputs, prop.input_axes)):
+            request(t, a, scale * prop.scale(i))
     if length is _UNSET:
         return Why(Code.NO_ROOT, "no input of the root carries the split axis")
     dynamic = length is None
@@ -215,7 +245,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
     ops = sorted(included - roots, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
-                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic)
+                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic, scales=scales)
     stops.sort(key=lambda s: -s[0])
     return Grown(region, included, [why for _, why in stops])
 
@@ -430,7 +460,7 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
             kept = None
             for b in range(reader.outputs[0].shape.rank or 0) if reader.outputs else ():
                 prop = rules.propagate(reader, 0, b)
-                if prop and all(prop.input_axes[j] == a for j in slots):
+                if prop and prop.input_scales is None and all(prop.input_axes[j] == a for j in slots):
                     kept = prop
                     break
             if kept is None:

@@ -81,6 +81,9 @@ class Region:
         reader of their outputs is in the region or the prologue.
       dynamic: the split axis' length is known only at run time; ``length`` is the nominal length
         it was planned at (see the module docstring).
+      scales: for ops (and sliced inputs' refs) reached through a reshape's outer factor, how many of
+        their rows one row of the roots' axis is (a batch row of [4, 512, E] is 512 rows of the
+        [2048, E] it was reshaped from): their slices are ``[k s, k (s + c))``.  1 where absent.
     """
 
     ops: list[tf.Operation]
@@ -92,6 +95,7 @@ class Region:
     root_partial: Callable[..., list[tf.Tensor]]
     prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
     dynamic: bool = False
+    scales: dict = dataclasses.field(default_factory=dict)
 
 
 def _inline_constant(t: tf.Tensor):
@@ -163,7 +167,8 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
         cut = dynamic_slice if length is None else clamped_slice
         for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
-            piece = None if axis is None else cut(v, axis, offset, chunk)
+            k = region.scales.get(t.ref(), 1)
+            piece = None if axis is None else cut(v, axis, offset * k, chunk * k)
             sliced.append(piece)
             if piece is not None:
                 split_env[t.ref()] = piece
@@ -177,7 +182,8 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
 
         for op in region.ops:
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
-            for old, new in zip(op.outputs, region.rebuild[op](op, inputs, chunk, offset)):
+            k = region.scales.get(op, 1)
+            for old, new in zip(op.outputs, region.rebuild[op](op, inputs, chunk * k, offset * k)):
                 split_env[old.ref()] = new
         valid = None if length is None else valid_rows(offset, chunk, length)
         return region.root_partial(lookup, chunk, offset, valid), sliced

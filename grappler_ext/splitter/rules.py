@@ -63,6 +63,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 import numpy as np
 import tensorflow as tf
@@ -103,12 +104,22 @@ class Propagation:
       rebuild_at: for ops whose slice depends on where it starts (a band of a matrix, a range):
         ``rebuild_at(op, new_inputs, chunk, offset) -> outputs`` with the slice's dynamic offset;
         when set it is used instead of ``rebuild``.
+      input_scales: ``None`` (every sliced input is sliced like the output), or one per input: the
+        factor a slice of the output is larger in that input, a ``Fraction`` -- a reshape's
+        ``[4, 512, E] <- [2048, E]``: rows ``[s, s + c)`` of the output's axis 0 are rows
+        ``[512 s, 512 (s + c))`` of the input's (factor 512); the merge back, factor 1/512.  The
+        chunk and offset a rebuild receives are always in its own output's units.
     """
 
     input_axes: tuple[int | None, ...]
     output_axes: tuple[int | None, ...]
     rebuild: Rebuild | None = None
     rebuild_at: Callable[..., list[tf.Tensor]] | None = None
+    input_scales: tuple | None = None
+
+    def scale(self, index: int) -> Fraction:
+        """The factor of input ``index`` (see :attr:`input_scales`)."""
+        return Fraction(1) if self.input_scales is None else Fraction(self.input_scales[index])
 
     def build(self, op: tf.Operation, new_inputs: Sequence[tf.Tensor], chunk: int, offset=None) -> list[tf.Tensor]:
         """The op rebuilt on ``new_inputs`` (sliced per :attr:`input_axes`) for the slice at ``offset``."""
@@ -652,26 +663,56 @@ def _transpose(op, output_index, axis):
 
 # reshape(x, O)[.., s:s+c (axis a), ..] = reshape(x[.., s:s+c (axis b), ..], O with c at a)
 # when prod(O[:a]) = prod(I[:b]) and O[a] = I[b]: both are views of one [P, n, Q] array, sliced
-# alike in the middle.  Otherwise the axis is merged with or split into others: refused.
+# alike in the middle.  By factors, as XLA's SPMD partitioner reshards through a reshape: where
+# axis a is the outermost factor of input axis b (I[b] = O[a] * k, the k below it in O), a slice of
+# c along a is a contiguous slice of c * k along b (a batch split through Keras' [B, L, E] ->
+# [B * L, E]); where axis a merges input axes b, b + 1, .. (k below b), a slice of c along a is one
+# of c / k along b, for chunks that are multiples of k.  An inner factor (the sequence inside a
+# merged batch) would be a strided slice: refused.
 @rule("Reshape")
 def _reshape(op, output_index, axis):
     in_dims, out_dims = _dims(op.inputs[0]), _dims(op.outputs[0])
     before = math.prod(out_dims[:axis])
+    scale = Fraction(1)
     for b, n in enumerate(in_dims):
         # A size known only at run time is kept only with the same static sizes after it.
         if math.prod(in_dims[:b]) == before and n == out_dims[axis] and (
                 n is not None or math.prod(in_dims[b + 1:]) == math.prod(out_dims[axis + 1:])):
             break
     else:
-        return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}) "
-                       "as one input axis: it merges or splits it")
+        factored = _reshape_factor(in_dims, out_dims, axis)
+        if factored is None:
+            return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}) "
+                           "as one input axis nor as its outermost factor: it splits it inside")
+        b, scale = factored
 
     def rebuild(op, inputs, chunk):
         # The static output shape with c on the axis: any -1 of the shape constant is resolved.
         shape = tf.constant(_with_chunk(out_dims, axis, chunk), dtype=op.inputs[1].dtype)
         return [tf.reshape(inputs[0], shape)]
 
-    return Propagation((b, None), (axis,), rebuild)
+    return Propagation((b, None), (axis,), rebuild, input_scales=None if scale == 1 else (scale, 1))
+
+
+def _reshape_factor(in_dims, out_dims, axis) -> tuple[int, Fraction] | None:
+    """``(b, k)``: output ``axis`` is the outermost factor of input axis ``b`` (``k`` the product of the
+    output axes below it in ``b``), or merges input axes ``b ..`` (``k`` = 1 / the product of those
+    below ``b``); ``None`` otherwise.  Static shapes only."""
+    if any(d is None for d in list(in_dims) + list(out_dims)):
+        return None
+    before = math.prod(out_dims[:axis])
+    for b in range(len(in_dims)):
+        if math.prod(in_dims[:b]) != before:
+            continue
+        # Input axis b split into output axes axis .. j - 1, axis the outermost.
+        for j in range(axis + 1, len(out_dims) + 1):
+            if math.prod(out_dims[:j]) == math.prod(in_dims[:b + 1]) and out_dims[axis] > 1:
+                return b, Fraction(math.prod(out_dims[axis + 1:j]))
+        # Output axis merges input axes b .. e - 1, b the outermost.
+        for e in range(b + 1, len(in_dims) + 1):
+            if math.prod(in_dims[:e]) == math.prod(out_dims[:axis + 1]) and in_dims[b] > 1:
+                return b, Fraction(1, math.prod(in_dims[b + 1:e]))
+    return None
 
 
 # expand_dims(x, d)[.., s:s+c, ..] = expand_dims(x[.., s:s+c, ..], d)   the axis shifted past d;

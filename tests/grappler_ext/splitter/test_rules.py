@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -92,9 +94,13 @@ def split_and_rebuild(case: Case):
                 assert case.refused[axis] in prop.reason, prop.reason
                 continue
             assert isinstance(prop, Propagation), f"axis {axis}: {prop.reason}"
-            chunk = case.chunk or max(1, dims[axis] // 2)
-            start = tf.cast(tf.round(fraction * (dims[axis] - chunk)), tf.int32)
-            new_inputs = [t if a is None else _slice(t, a, start, chunk) for t, a in zip(op.inputs, prop.input_axes)]
+            # A reshape's merge reads 1/k of a row per row: chunks and offsets in multiples of k.
+            unit = math.lcm(*(prop.scale(i).denominator for i in range(len(op.inputs))))
+            chunk = case.chunk or max(unit, dims[axis] // 2 // unit * unit)
+            start = tf.cast(tf.round(fraction * (dims[axis] - chunk) / unit), tf.int32) * unit
+            new_inputs = [t if a is None else _slice(t, a, start * int(prop.scale(i) * unit) // unit,
+                                                      int(chunk * prop.scale(i)))
+                          for i, (t, a) in enumerate(zip(op.inputs, prop.input_axes))]
             rebuilt = prop.build(op, new_inputs, chunk, start)
             assert len(rebuilt) == len(op.outputs)
             for old, new, a in zip(op.outputs, rebuilt, prop.output_axes):
@@ -286,12 +292,16 @@ _i3 = [_data([3, 4, 5], I32)]
 case("Transpose", lambda x: tf.transpose(x, [2, 0, 1]), _x3)
 case("Transpose", lambda x: tf.transpose(x, [1, 0, 2]), _i3, id="Transpose-i32")
 case("ConjugateTranspose", lambda x: _raw("ConjugateTranspose", x, [2, 0, 1]), _x3)
-case("Reshape", lambda x: tf.reshape(x, [3, 20]), _x3, refused={1: "does not keep axis 1"})
-case("Reshape", lambda x: tf.reshape(x, [-1, 5]), _i3, refused={0: "does not keep axis 0"}, id="Reshape-minus1")
+# By factors: axis 1 of [3, 20] merges 4 x 5 (a slice of c is c / 5 rows of axis 1), as does axis 0
+# of [12, 5]; axis 1 of [3, 2, 2, 5] is the outer factor of 4 (c rows are 2c), its inner one is refused.
+case("Reshape", lambda x: tf.reshape(x, [3, 20]), _x3)
+case("Reshape", lambda x: tf.reshape(x, [-1, 5]), _i3, id="Reshape-minus1")
 case("Reshape", lambda x: tf.reshape(x, [3, 1, -1, 5]), _x3, refused={1: "does not keep axis 1"},
      id="Reshape-unit")
-case("Reshape", lambda x: tf.reshape(x, [3, 2, 2, 5]), _x3, refused={1: "does not keep", 2: "does not keep"},
+case("Reshape", lambda x: tf.reshape(x, [3, 2, 2, 5]), _x3, refused={2: "splits it inside"},
      id="Reshape-split-middle")
+case("Reshape", lambda x: tf.reshape(x, [6, 2, 5]), _x3, refused={0: "splits it inside", 1: "splits it inside"},
+     id="Reshape-merge-split")
 case("Reshape", lambda x: tf.reshape(x, [3, 4, 5, 1]), _x3, refused={3: "does not keep"}, id="Reshape-trailing")
 case("ExpandDims", lambda x: tf.expand_dims(x, 1), _x3, refused={1: "unit axis `ExpandDims` inserts"})
 case("ExpandDims", lambda x: tf.expand_dims(x, -1), _i3, refused={3: "unit axis"}, id="ExpandDims-last")
@@ -395,6 +405,19 @@ def test_reshape_maps_the_axis_through_a_merge_of_others():
     assert propagate(op, 0, 1).input_axes == (2, None)
 
 
+def test_reshape_maps_an_outer_factor_by_its_scale():
+    # Keras' Dense on [B, L, D]: [B * L, E] -> [B, L, E]; B rows are B * L rows of the input ...
+    unmerge = _op(lambda x: tf.reshape(x, [4, 512, 8]), tf.TensorSpec([2048, 8]))
+    prop = propagate(unmerge, 0, 0)
+    assert (prop.input_axes, prop.output_axes, prop.scale(0)) == ((0, None), (0,), 512)
+    # ... and [B, L, D] -> [B * L, D]: a slice of c rows is c / L batch rows.
+    merge = _op(lambda x: tf.reshape(x, [2048, 8]), tf.TensorSpec([4, 512, 8]))
+    prop = propagate(merge, 0, 0)
+    assert (prop.input_axes, prop.scale(0)) == ((0, None), Fraction(1, 512))
+    # The sequence inside the merged batch would be a strided slice.
+    assert "splits it inside" in propagate(unmerge, 0, 1).reason
+
+
 # --- refusals ---------------------------------------------------------------------------------------
 
 
@@ -452,7 +475,7 @@ def test_variable_ops():
 @pytest.mark.parametrize("fn, spec, axis, reason", [
     (lambda x: tf.reduce_sum(x, 1, keepdims=True), [3, 4], 1, "axis 1 is reduced by `Sum`"),
     (tf.nn.softmax, [3, 4], 1, "`Softmax` normalises over axis 1, the split axis"),
-    (lambda x: tf.reshape(x, [12]), [3, 4], 0, "`Reshape` [3, 4] -> [12] does not keep axis 0 (size 12)"),
+    (lambda x: tf.reshape(x, [3, 4]), [12], 1, "`Reshape` [12] -> [3, 4] does not keep axis 1 (size 4)"),
     (tf.exp, [None, 3], 1, "`Exp` (Exp): input 0 has dynamic shape (None, 3); only the split axis may be dynamic"),
     (lambda x: tf.reshape(x, tf.shape(x)), [None, 3], 1, "dynamic shape"),
     # [n, 4] -> [2n, 2]: both first dimensions unknown, but the axis is merged with another.
