@@ -133,7 +133,7 @@ def run(sizes, m: int, repeats: int, limit: int = LIMIT) -> list[Row]:
     return rows
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
     parser.add_argument("--out", default=None, help=OUT_HELP)
@@ -143,10 +143,12 @@ def main(argv=None) -> None:
     rows = run(sizes, m, 2 if args.quick else args.repeats, limit)
     out = results_dir(args.out, args.quick)
     meta = {"limit_bytes": limit, "points": m, "repeats": args.repeats, "quick": args.quick,
+            "tensorflow": tf.__version__, "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}",
             "how": "run alone on the machine; methods interleaved per round; median of the rounds"}
     write_outputs(rows, Row, os.path.join(out, "dynamic"), meta)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

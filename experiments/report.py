@@ -251,6 +251,27 @@ def sgpr_lines(data: dict) -> list[str]:
                        "L-BFGS", "ELBO", "RMSE", "NLPD", "check"], body)]
 
 
+def dynamic_lines(data: dict) -> list[str]:
+    from experiments import dynamic
+
+    rows = [dynamic.Row(**r) for r in data["rows"]]
+    static = {(r.workload, r.n): r for r in rows if r.method == "static"}
+    body = []
+    for r in rows:
+        base = static.get((r.workload, r.n))
+        ratio = r.median_s / base.median_s if base is not None and r.method != "static" and base.median_s else None
+        body.append([r.workload, f"{r.n:,}", r.method, footprint_cell(r.xla_bytes, r.within_limit),
+                     seconds(r.first_call_s), f"{r.median_s * 1e3:.1f} ms", m.num(ratio, ".2f"),
+                     m.num(r.max_rel_diff, ".1e")])
+    return [f"Limit {m.fmt_bytes(data.get('limit_bytes'))}, {data.get('points'):,} points. `dynamic`: one trace "
+            "with `input_signature=[TensorSpec([None, 3])]`, rewritten once and compiled by XLA per shape; "
+            "`static`: a trace, a rewrite and a compile per shape. XLA's footprint at that n; the first call "
+            "(dynamic: a compile only after its first n); the median call; its time over the static split's; the "
+            "largest difference over the largest magnitude against the naive function, or the static split where "
+            "naive is not run.", "",
+            *md_table(["workload", "n", "method", "XLA", "first call", "median", "/ static", "rel. diff"], body)]
+
+
 def training_cell(row) -> str:
     """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and the wall time."""
     if row.nit is None:
@@ -300,6 +321,10 @@ EXPERIMENTS = (
     Experiment("sgpr", "SGPR", "experiments.sgpr", "sgpr",
                "GPflow's SGPR, unchanged, without and with tf_memsafe: XLA's footprint and the time per number of "
                "data N and inducing points M, and the quality of the fit (ELBO, RMSE, NLPD).", sgpr_lines),
+    Experiment("dynamic", "Run-time shapes", "experiments.dynamic", "dynamic",
+               "A function whose first dimension is known only at run time (`input_signature` with `None`), split "
+               "along it with one rewrite, against a trace per static shape: footprints within the limit, time, "
+               "first calls.", dynamic_lines),
     Experiment("transformer", "Transformer", "experiments.transformer.sweep", "transformer_sweep",
                "The Transformer of TensorFlow's translation tutorial, unchanged, over sequence lengths L: XLA's "
                "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "
