@@ -47,8 +47,7 @@ FORWARD = {"kernel_matvec": kernel_matvec, "nearest_five": nearest_five, "reduct
 
 
 def _records(fn_name: str):
-    report = next(r for r in reversed(tf_memsafe.reports()) if r.function_name.startswith(fn_name)
-                  or fn_name in r.function_name)
+    report = next(r for r in reversed(tf_memsafe.reports()) if fn_name in r.function_name)
     return [r for r in report.records if r.pass_name == "splitter"]
 
 
