@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 
-import tensorflow as tf
-
 from grappler_ext import gradients, graph_edit, memory_model, shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.op_types import nbytes
@@ -157,8 +155,7 @@ class _Run:
         split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
         if est.dynamic_tensors:
             # The function's own inputs first: what the user chose (a None in an input_signature).
-            names = [t.name for t in self.graph.inputs if t.dtype not in (tf.resource, tf.variant)
-                     and not t.shape.is_fully_defined()] or list(est.dynamic_tensors)
+            names = [t.name for t in nominal.dynamic_inputs(self.graph)] or list(est.dynamic_tensors)
             shown = ", ".join(self._dimension(name) for name in names[:3])
             shown = f"dynamic shapes ({shown}{', ...' if len(names) > 3 else ''})"
             # The static tensors alone (the dynamic ones counted as empty) give a lower bound.

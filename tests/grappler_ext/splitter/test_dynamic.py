@@ -65,6 +65,14 @@ def _close(got, want, what):
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5, equal_nan=True, err_msg=what)
 
 
+def _equal_at_every_length(split, fn, chunk: int, what: str):
+    """``split`` (the dynamic trace) against ``fn`` compiled unsplit, at the lengths around ``chunk``."""
+    naive = tf.function(fn, jit_compile=True)
+    for n in _lengths(chunk):
+        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
+        _close(split(q), naive(q), f"{what} at n = {n}")
+
+
 def _split(fn, limit=LIMIT):
     """``fn`` traced with a dynamic first dimension under ``limit``: the function and its loop's plan."""
     tf_memsafe.enable(limit, strict=True)
@@ -87,10 +95,7 @@ def _split(fn, limit=LIMIT):
 def test_forward_equals_unsplit_at_every_length(name):
     fn = FORWARD[name]
     f, plans = _split(fn)
-    naive = tf.function(fn, jit_compile=True)
-    for n in _lengths(plans[0].chunk):
-        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
-        _close(f(q), naive(q), f"{name} at n = {n}")
+    _equal_at_every_length(f, fn, plans[0].chunk, name)
 
 
 def test_xla_figure_at_a_concrete_length_is_within_the_limit():
@@ -132,10 +137,7 @@ def matvec_loss(q):
 def test_gradients_inside_equal_unsplit(loss):
     step = _step(loss)
     f, plans = _split(step)
-    naive = tf.function(step, jit_compile=True)
-    for n in _lengths(plans[0].chunk):
-        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
-        _close(f(q), naive(q), f"{loss.__name__} at n = {n}")
+    _equal_at_every_length(f, step, plans[0].chunk, loss.__name__)
 
 
 def test_gradient_with_the_tape_outside():
