@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from grappler_ext import folding, shapes
-from grappler_ext.op_types import ARG_REDUCTIONS, MATMULS
+from grappler_ext.op_types import ARG_REDUCTIONS, MATMULS, reserve_space
 from grappler_ext.xla_facts import FUSED_REDUCTION_MAX, MATVEC_FUSION_MAX_BYTES, YNN_DTYPES, YNN_REDUCTIONS
 
 __all__ = [
@@ -114,7 +114,10 @@ def _elements(t: tf.Tensor) -> int | None:
 # analysis relies on None here to report a tensor as dynamic (``TensorInfo.bytes``,
 # ``Estimate.dynamic_tensors``) instead of counting it as empty.
 def _static_nbytes(t: tf.Tensor) -> int | None:
-    """Bytes of ``t`` in memory; None for a dynamic shape or a dtype without a fixed size."""
+    """Bytes of ``t`` in memory; None for a dynamic shape or a dtype without a fixed size.  An opaque
+    reserve space (a fused batch norm's third) holds none."""
+    if reserve_space(t):
+        return 0
     n = _elements(t)
     if n is None or t.dtype in (tf.string, tf.variant):
         return None

@@ -11,7 +11,7 @@ import tensorflow as tf
 from grappler_ext import shapes
 
 __all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
-           "PASS_THROUGH", "SHAPE_READERS", "nbytes", "static_shape_reader"]
+           "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "nbytes", "static_shape_reader", "reserve_space"]
 
 # Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
@@ -28,6 +28,10 @@ NOT_CLONED = LOOP_TYPES | BRANCH_TYPES | CALL_TYPES
 PASS_THROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims"})
 # Ops that read only their input's shape.
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Tensors of unknown shape that hold nothing: the third reserve space of a fused batch norm (empty on
+# CPU and under XLA, whose kernel makes it a constant [0]; cuDNN's workspace on a GPU without XLA),
+# passed from the op to its gradient.  (op type, "input" or "output", index)
+RESERVE_SPACES = frozenset({("FusedBatchNormV3", "output", 5), ("FusedBatchNormGradV3", "input", 5)})
 
 
 def nbytes(t: tf.Tensor) -> int:
@@ -40,3 +44,12 @@ def static_shape_reader(op: tf.Operation) -> bool:
     """A ``Shape``-like op of static shapes: it reads no values (TF's own ops insert them, e.g.
     ``reduce_logsumexp``), and its result is a constant."""
     return op.type in SHAPE_READERS and all(t.shape.is_fully_defined() for t in op.inputs)
+
+
+def reserve_space(t: tf.Tensor) -> bool:
+    """Whether ``t`` is an opaque reserve space (:data:`RESERVE_SPACES`): no bytes XLA keeps, read
+    whole, never sliced, whatever its static shape says."""
+    if (t.op.type, "output", t.value_index) in RESERVE_SPACES:
+        return True
+    return any((c.type, "input", i) in RESERVE_SPACES for c in t.consumers() for i, x in enumerate(c.inputs)
+               if x is t)

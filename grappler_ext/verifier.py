@@ -22,6 +22,7 @@ import tensorflow as tf
 from grappler_ext import graph_query
 from grappler_ext.graph_edit import is_generated
 from grappler_ext.graph_query import VerificationError  # topological_order raises it on a cycle
+from grappler_ext.op_types import reserve_space
 
 __all__ = ["VerificationError", "OutputSignature", "verify"]
 
@@ -70,8 +71,8 @@ def verify(graph, expected: OutputSignature | None = None) -> None:
         if not is_generated(op):
             continue
         for t in op.outputs:
-            if t.dtype in (tf.resource, tf.variant):
-                continue
+            if t.dtype in (tf.resource, tf.variant) or reserve_space(t):
+                continue  # (a fused batch norm's reserve space has no static shape, as TF makes it)
             if t.dtype.is_integer and t.shape.rank is not None and t.shape.rank <= 1:
                 continue  # shape arithmetic
             if dynamic and t.shape.rank is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from fractions import Fraction
 
 import numpy as np
 import tensorflow as tf
@@ -35,12 +34,14 @@ from grappler_ext.op_types import (
     PASS_THROUGH,
     REDUCTIONS,
     nbytes,
+    reserve_space,
     static_shape_reader,
 )
 from grappler_ext.splitter import rules
 from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
 from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
+from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "prologue", "downstream", "const_axes",
            "joined_bytes", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
@@ -152,17 +153,17 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     input_axes: dict = {}
     rebuild: dict = {}
     sliced_inputs: dict = {}
-    scale_of: dict = {}            # (op, output index) -> how many rows of it a row of the roots' axis is
+    factor_of: dict = {}           # (op, output index) -> where the roots' axis lies in its axis
     stops: list = []
     length = _UNSET                # the split axis' length: an int, or None where it is known at run time
 
-    def request(t: tf.Tensor, axis: int | None, scale: Fraction = Fraction(1)):
+    def request(t: tf.Tensor, axis: int | None, factor: Factor = UNIT):
         if axis is None:
             whole.add(t.ref())
             return
         key = (t.op, t.value_index)
         requests.setdefault(key, set()).add(axis)
-        scale_of.setdefault(key, set()).add(scale)
+        factor_of.setdefault(key, set()).add(factor)
         if t.op not in queued:
             queued.add(t.op)
             heapq.heappush(heap, (-order_index.get(t.op, -1), id(t.op), t.op))
@@ -170,29 +171,28 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     for option in options:
         prop = option.propagation if option.kind == "concat" else None
         for i, (t, a) in enumerate(option.requests or zip(option.root.inputs, option.input_axes)):
-            request(t, a, prop.scale(i) if prop is not None else Fraction(1))
-    scales: dict = {}
+            request(t, a, prop.factor(i) if prop is not None else UNIT)
+    factors: dict = {}
     while heap:
         _, _, op = heapq.heappop(heap)
         wanted = {k: axes for (o, k), axes in requests.items() if o is op}
-        found = set().union(*(scale_of[(op, k)] for k in wanted))
-        if len(found) > 1 or any(x.denominator != 1 for x in found):
-            # Rows of the roots' axis as a fraction of this op's rows (a merge below the roots), or
-            # two factors at once: no slice of it is a whole number of rows.
-            return Why(Code.REGION_CONFLICT, f"`{op.name}` is needed in slices of {sorted(map(str, found))} rows per "
-                                             "row of the split axis")
-        scale = found.pop()
+        found = set().union(*(factor_of[(op, k)] for k in wanted))
+        if len(found) > 1:
+            # The split axis at two places in one axis (batch rows and sequence rows of [B * L, E]).
+            return Why(Code.REGION_CONFLICT, f"`{op.name}` is needed with the split axis at "
+                                             f"{' and at '.join(sorted(map(str, found)))} of its axis")
+        factor = found.pop()
         for k, axes in wanted.items():
             if len(axes) > 1:
                 return Why(Code.REGION_CONFLICT, f"`{op.name}` output {k} is needed along axes {sorted(axes)}")
             axis = next(iter(axes))
             dim = op.outputs[k].shape[axis]
-            if dim is not None and scale != 1:
-                if dim % scale:
+            if dim is not None and not factor.unit:
+                if dim % factor.rows(1):
                     return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {dim} along the split axis, not a "
-                                                     f"multiple of {scale}")
-                dim = dim // int(scale)
-            elif dim is None and scale != 1:
+                                                     f"multiple of {factor.rows(1)}")
+                dim = dim // factor.rows(1)
+            elif dim is None and not factor.unit:
                 return Why(Code.DYNAMIC_AXIS, f"`{op.name}` has a run-time length along the split axis, reached "
                                               "through a reshape's factor")
             if length is _UNSET:
@@ -204,12 +204,12 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
         prop = None
         if stop is None:
             k0, axes0 = next(iter(wanted.items()))
-            prop = rules.propagate(op, k0, next(iter(axes0)), reseed)
+            prop = rules.propagate(op, k0, next(iter(axes0)), reseed, factor)
             if not prop:
                 stop = Why(Code.REFUSED_OP, prop.reason)
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
-            elif scale != 1 and prop.rebuild_at is not None:
+            elif not factor.unit and prop.rebuild_at is not None:
                 # Its slice depends on where it starts (a band, a draw keyed by its offset): only
                 # along the roots' own rows.
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` ({op.name}) is read through a reshape's factor and "
@@ -217,17 +217,17 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
         if stop is not None:
             for k, axes in wanted.items():
                 sliced_inputs[op.outputs[k].ref()] = next(iter(axes))
-                if scale != 1:
-                    scales[op.outputs[k].ref()] = int(scale)
+                if not factor.unit:
+                    factors[op.outputs[k].ref()] = factor
             stops.append((max(nbytes(op.outputs[k]) for k in wanted), stop))
             continue
         included.add(op)
         input_axes[op] = prop.input_axes
         rebuild[op] = prop.build
-        if scale != 1:
-            scales[op] = int(scale)
+        if not factor.unit:
+            factors[op] = factor
         for i, (t, a) in enumerate(zip(op.inputs, prop.input_axes)):
-            request(t, a, scale * prop.scale(i))
+            request(t, a, prop.factor(i, factor))
     if length is _UNSET:
         return Why(Code.NO_ROOT, "no input of the root carries the split axis")
     dynamic = length is None
@@ -245,7 +245,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
     ops = sorted(included - roots, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
-                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic, scales=scales)
+                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic, factors=factors)
     stops.sort(key=lambda s: -s[0])
     return Grown(region, included, [why for _, why in stops])
 
@@ -270,7 +270,7 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
     for option in options:
         outputs = option.output_axes or (None,) * len(option.root.outputs)
         for t, a in list(zip(option.root.inputs, option.input_axes)) + list(zip(option.root.outputs, outputs)):
-            if t.dtype not in (tf.resource, tf.variant) and (
+            if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and (
                     t.shape.rank is None or set(shapes.dynamic_axes(t)) - {a}):
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dynamic shape {t.shape}: only the split axis may be "
                                               "dynamic")
@@ -286,7 +286,8 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
                                           "split axis may be dynamic")
     for ref in whole:
         t = ref.deref()
-        if t.dtype not in (tf.resource, tf.variant) and (t.shape.rank is None or shapes.dynamic_axes(t)):
+        if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and (
+                t.shape.rank is None or shapes.dynamic_axes(t)):
             return Why(Code.DYNAMIC_AXIS, f"`{t.name}` of dynamic shape {t.shape} is read whole by every slice")
     sources = {length_source(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
     if dynamic and len(sources) > 1:
@@ -434,14 +435,14 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
     """
     roots: dict = {}
     seen: dict = {}
-    stack = [(tensor, axis)]
+    stack = [(tensor, axis, UNIT)]
     while stack:
-        t, a = stack.pop()
+        t, a, factor = stack.pop()
         if t.ref() in seen:
-            if seen[t.ref()] != a:
+            if seen[t.ref()] != (a, factor):
                 return f"`{t.op.name}` would be split along two axes"
             continue
-        seen[t.ref()] = a
+        seen[t.ref()] = (a, factor)
         found, pushed, stop = {}, [], None
         if t.ref() in graph_outputs:
             stop = f"`{t.op.name}` is an output of the function"
@@ -449,35 +450,52 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
             if reader not in order_index or reader in ignored or static_shape_reader(reader):
                 continue
             slots = [j for j, x in enumerate(reader.inputs) if x is t]
-            reducing = [o for o in root_options(reader)
-                        if o.kind != "concat" and all(o.input_axes[j] == a for j in slots)]
+            # A reduction over rows that hold the split axis at a factor ([B * L, E] summed over its
+            # rows, the sequence inside) is no root: a root's inputs hold the whole axis.
+            reducing = [o for o in root_options(reader) if factor.unit
+                        and o.kind != "concat" and all(o.input_axes[j] == a for j in slots)]
             if reducing:
                 if reader in roots and roots[reader].input_axes != reducing[0].input_axes:
                     stop = f"`{reader.name}` reduces along two axes"
                     break
                 found[reader] = reducing[0]
                 continue
-            kept = None
-            for b in range(reader.outputs[0].shape.rank or 0) if reader.outputs else ():
-                prop = rules.propagate(reader, 0, b)
-                if prop and prop.input_scales is None and all(prop.input_axes[j] == a for j in slots):
-                    kept = prop
-                    break
+            kept = _kept(reader, slots, a, factor)
             if kept is None:
                 stop = f"`{reader.name}` ({reader.type}) neither keeps nor reduces axis {a} of `{t.op.name}`"
                 break
-            pushed.extend((o, b) for o, b in zip(reader.outputs, kept.output_axes) if b is not None)
+            prop, out_factor = kept
+            pushed.extend((o, b, out_factor) for o, b in zip(reader.outputs, prop.output_axes) if b is not None)
         if stop is None:
             roots.update(found)
             stack.extend(pushed)
             continue
         ends = [o for o in root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == a]
-        if t is tensor or not ends:
+        if t is tensor or not ends or not factor.unit:
+            # (joined results hold the whole axis: [B * L, E] rows cannot end a loop along L)
             return stop
         if t.op in roots and roots[t.op].output_axes != ends[0].output_axes:
             return f"`{t.op.name}` would be joined along two axes"
         roots[t.op] = ends[0]
     return sorted(roots.values(), key=lambda o: order_index[o.root])
+
+
+def _kept(reader: tf.Operation, slots: list[int], axis: int, factor) -> tuple[rules.Propagation, object] | None:
+    """``(propagation, factor)``: the output axis of ``reader`` that holds the split axis its inputs
+    in ``slots`` hold along ``axis`` at ``factor``, and where it lies there; ``None`` if none does."""
+    if not reader.outputs:
+        return None
+    candidates = [(b, factor) for b in range(reader.outputs[0].shape.rank or 0)]
+    if reader.type == "Reshape" and slots == [0] and reader.inputs[0].shape.rank is not None and candidates:
+        # A reshape keeps flat indices: its output holds the axis where rules.factor_axis finds it
+        # (static shapes; else, as any op, along one of its axes whole).
+        found = rules.factor_axis(reader.outputs[0].shape.as_list(), reader.inputs[0].shape.as_list(), axis, factor)
+        candidates = [found] if found is not None else candidates if factor.unit else []
+    for b, out_factor in candidates:
+        prop = rules.propagate(reader, 0, b, factor=out_factor)
+        if prop and all(prop.input_axes[j] == axis and prop.factor(j, out_factor) == factor for j in slots):
+            return prop, out_factor
+    return None
 
 
 def prologue(grown: Grown, order_index: dict, graph_outputs: set, backward: frozenset, cap: float,

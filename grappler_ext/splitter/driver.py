@@ -544,6 +544,8 @@ class _Region:
             wider = self.best_root(far, tensor, beside, reasons)
             if wider is not None and (best is None or wider.key < best.key):
                 best = wider
+        if best is not None and best.planned.chunks.splits:
+            best = self.reaching_on(best, tensor, beside, reasons)
         size = info[tensor.name].bytes
         if best is None:
             why = reasons[0] if reasons else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule")
@@ -623,6 +625,26 @@ class _Region:
                             bytes_after=chunks.predicted_bytes,
                             code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
         return grown.included | set(grown.region.prologue)
+
+    def reaching_on(self, best: _Candidate, tensor, beside: policy.Beside, reasons: list[Why]) -> _Candidate:
+        """``best``, or the region reaching on from its joined results along the same axis to where
+        that axis ends (a loop over an attention's queries on through the residual, the layer norms
+        and the feed-forward block: one loop per layer instead of one per op group), if it takes in
+        every op ``best`` does and is the better plan (:func:`.policy.reaches_on`)."""
+        further = []
+        for option in best.options:
+            if option.kind != "concat":
+                return best
+            for t, axis in zip(option.root.outputs, option.output_axes):
+                if axis is not None:
+                    found = analysis.forward_roots(t, axis, self.order_index, self.graph_outputs, self.backward)
+                    if isinstance(found, list) and found and {o.root for o in found} != {option.root}:
+                        further.append(found)
+        wider = self.best_root(further, tensor, beside, reasons) if further else None
+        if (wider is None or not best.grown.included <= wider.grown.included
+                or not policy.reaches_on(best.planned, wider.planned, self.tuning, policy.leaves(best.grown, beside))):
+            return best
+        return wider
 
     def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> _Candidate | None:
         """The best plan among ``candidates`` (lists of root options split together) whose region

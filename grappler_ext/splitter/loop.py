@@ -54,7 +54,15 @@ import tensorflow as tf
 from grappler_ext import folding
 from grappler_ext.splitter.combiners import Combiner
 from grappler_ext.splitter.rules import clone_op
-from grappler_ext.splitter.slicing import axis_length, clamped_slice, dynamic_slice, join_slices, valid_rows
+from grappler_ext.splitter.slicing import (
+    UNIT,
+    axis_length,
+    clamped_slice,
+    dynamic_slice,
+    factored_slice,
+    join_slices,
+    valid_rows,
+)
 
 __all__ = ["Region", "build_split", "forward_program", "external_inputs"]
 
@@ -81,9 +89,9 @@ class Region:
         reader of their outputs is in the region or the prologue.
       dynamic: the split axis' length is known only at run time; ``length`` is the nominal length
         it was planned at (see the module docstring).
-      scales: for ops (and sliced inputs' refs) reached through a reshape's outer factor, how many of
-        their rows one row of the roots' axis is (a batch row of [4, 512, E] is 512 rows of the
-        [2048, E] it was reshaped from): their slices are ``[k s, k (s + c))``.  1 where absent.
+      factors: for ops (and sliced inputs' refs) reached through a reshape, where the split axis lies
+        in their axis (:class:`~.slicing.Factor`: a batch row of [4, 512, E] is 512 rows of the
+        [2048, E] it was reshaped from; a sequence row, 4 rows 512 apart).  The whole axis where absent.
     """
 
     ops: list[tf.Operation]
@@ -95,7 +103,7 @@ class Region:
     root_partial: Callable[..., list[tf.Tensor]]
     prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
     dynamic: bool = False
-    scales: dict = dataclasses.field(default_factory=dict)
+    factors: dict = dataclasses.field(default_factory=dict)
 
 
 def _inline_constant(t: tf.Tensor):
@@ -167,8 +175,8 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
         cut = dynamic_slice if length is None else clamped_slice
         for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
-            k = region.scales.get(t.ref(), 1)
-            piece = None if axis is None else cut(v, axis, offset * k, chunk * k)
+            factor = region.factors.get(t.ref(), UNIT)
+            piece = None if axis is None else factored_slice(v, axis, offset, chunk, factor, cut)
             sliced.append(piece)
             if piece is not None:
                 split_env[t.ref()] = piece
@@ -182,8 +190,9 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
 
         for op in region.ops:
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
-            k = region.scales.get(op, 1)
-            for old, new in zip(op.outputs, region.rebuild[op](op, inputs, chunk * k, offset * k)):
+            factor = region.factors.get(op, UNIT)
+            # (a rebuild that needs its offset is only ever the whole axis: analysis.grow)
+            for old, new in zip(op.outputs, region.rebuild[op](op, inputs, factor.rows(chunk), offset * factor.inner)):
                 split_env[old.ref()] = new
         valid = None if length is None else valid_rows(offset, chunk, length)
         return region.root_partial(lookup, chunk, offset, valid), sliced
@@ -346,7 +355,8 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     tail_sliced, tail_whole = slice_grads(count * chunk, tail) if tail else ([None] * n, [None] * n)
     # A run-time length: the joined rows cut to each input's own length.
     joined = [None if a is None else join_slices(next(result), a, tail_sliced[k],
-                                                 None if length is None else axis_length(values[k], a))
+                                                 None if length is None else axis_length(values[k], a),
+                                                 region.factors.get(external[k].ref(), UNIT).outer)
               for k, a in enumerate(axes)]
     summed = []
     for k, w in enumerate(read_whole):

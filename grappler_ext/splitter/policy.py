@@ -27,7 +27,8 @@ from grappler_ext.splitter.loop import external_inputs
 from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
 from grappler_ext.splitter.tuning import Tuning
 
-__all__ = ["Beside", "Planned", "Sized", "plan", "rank", "calibrated", "capped", "split_anyway", "at_least",
+__all__ = ["Beside", "Planned", "Sized", "plan", "rank", "leaves", "reaches_on", "calibrated", "capped",
+           "split_anyway", "at_least",
            "starved"]
 
 
@@ -148,6 +149,16 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         # in the loop (SGPR's K(Z, X_test) is read by the solves after it).
         return Why(Code.JOINED_TOO_LARGE, f"{described}: its joined result ({joined:,} B) is over half the limit")
     removed = materialised_bytes(grown.included, info)
+    # The largest tensor it computes, a kernel's scratch counted (a solve's copy of its right-hand side).
+    roots = {o.root for o in options}
+    largest = max([i.bytes for op in grown.included - roots for o in op.outputs
+                   if (i := info.get(o.name)) is not None and i.materialised and i.bytes]
+                  + [scratch.get(op.name, 0) for op in grown.included], default=0)
+    if largest <= root_out and not large_joins:
+        # Nothing in it is larger than its result (a projection and its bias add, a matmul split
+        # along its contraction): each slice's result, joined or summed, holds what it would free.
+        return Why(Code.SAVES_TOO_LITTLE, f"{described}: saves too little (nothing it computes is larger than its "
+                                          f"result, {root_out:,} B)")
     # Joining slices along an axis other than the first transposes the stacked slices: one more
     # copy of the result at the end.
     join_cost = joined * (2 if any(o.kind == "concat" and any(o.output_axes) for o in options) else 1)
@@ -217,14 +228,40 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning) -> t
     K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the region through A A^T
     and A err, 3 steps, left none), the fewest steps, then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
-    is judged by what it leaves); a plan that does not split last."""
+    is judged by the size of its joined result, then by what it leaves); a plan that does not split
+    last."""
     chunks = planned.chunks
     count = chunks.steps + (1 if chunks.tail else 0)
-    if planned.best_effort is not None:
-        return (not chunks.splits, True, chunks.predicted_bytes, count)
     joined = joined_bytes(options)
+    if planned.best_effort is not None:
+        # (a region writing a large result whole leaves what reads it to another loop: a
+        # feed-forward block's output joined before the softmax over the sequence that reads it)
+        return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
     return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, count, -held,
             chunks.predicted_bytes)
+
+
+def leaves(grown: Grown, beside: Beside) -> int:
+    """The most the rest of the program holds at any step, the region's tensors left out, if nothing
+    else were split (a loop over an attention's queries leaves the feed-forward block's [B, L, 4 D]
+    after it; one over the whole layer, none)."""
+    schedule = beside.est.schedule
+    if not schedule:
+        return 0
+    return background(dataclasses.replace(beside, hoped=frozenset()), [0, len(schedule) - 1], grown)
+
+
+def reaches_on(best: Planned, wider: Planned, tuning: Tuning, left: int) -> bool:
+    """Whether a region reaching on from ``best``'s along the same axis (taking in all of it) is the
+    better plan: one loop where there would be several, each with its own joined result and copies.
+    So when it meets the limit; or, when it does not, if it needs at most ``Tuning.reach_on_margin``
+    more by the model than ``best`` does or than what ``best`` leaves for other loops (``left``,
+    :func:`leaves`)."""
+    if not wider.chunks.splits:
+        return False
+    if wider.best_effort is None:
+        return True
+    return wider.chunks.predicted_bytes <= max(best.chunks.predicted_bytes, left) * (1 + tuning.reach_on_margin)
 
 
 def rest_beside(grown: Grown, beside: Beside, limit: int, tuning: Tuning) -> int | None:

@@ -63,7 +63,6 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 
 import numpy as np
 import tensorflow as tf
@@ -71,6 +70,8 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
 
 from grappler_ext import folding
+from grappler_ext.op_types import RESERVE_SPACES, reserve_space
+from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = [
     "Propagation",
@@ -85,6 +86,7 @@ __all__ = [
     "clone_op",
     "leaf_kind",
     "rule",
+    "factor_axis",
 ]
 
 Rebuild = Callable[[tf.Operation, Sequence[tf.Tensor], int], list[tf.Tensor]]
@@ -104,22 +106,26 @@ class Propagation:
       rebuild_at: for ops whose slice depends on where it starts (a band of a matrix, a range):
         ``rebuild_at(op, new_inputs, chunk, offset) -> outputs`` with the slice's dynamic offset;
         when set it is used instead of ``rebuild``.
-      input_scales: ``None`` (every sliced input is sliced like the output), or one per input: the
-        factor a slice of the output is larger in that input, a ``Fraction`` -- a reshape's
-        ``[4, 512, E] <- [2048, E]``: rows ``[s, s + c)`` of the output's axis 0 are rows
-        ``[512 s, 512 (s + c))`` of the input's (factor 512); the merge back, factor 1/512.  The
-        chunk and offset a rebuild receives are always in its own output's units.
+      input_factors: ``None`` (every sliced input holds the split axis as the output does), or one
+        per input: where the split axis lies in that input's axis (:class:`~.slicing.Factor`), given
+        where it lies in the output's (the ``factor`` :func:`propagate` was called with) -- a
+        reshape's ``[4, 512, E] <- [2048, E]`` split along the batch: ``Factor(1, 512)`` (rows
+        ``[s, s + c)`` are rows ``[512 s, 512 (s + c))`` of the input), along the sequence:
+        ``Factor(4, 1)``.  ``None`` for an input: as the output.  The chunk and offset a rebuild
+        receives are always in its own output's rows.
     """
 
     input_axes: tuple[int | None, ...]
     output_axes: tuple[int | None, ...]
     rebuild: Rebuild | None = None
     rebuild_at: Callable[..., list[tf.Tensor]] | None = None
-    input_scales: tuple | None = None
+    input_factors: tuple | None = None
 
-    def scale(self, index: int) -> Fraction:
-        """The factor of input ``index`` (see :attr:`input_scales`)."""
-        return Fraction(1) if self.input_scales is None else Fraction(self.input_scales[index])
+    def factor(self, index: int, output: Factor = UNIT) -> Factor:
+        """Where the split axis lies in input ``index``'s axis, ``output`` where it lies in the
+        output's (see :attr:`input_factors`)."""
+        found = None if self.input_factors is None else self.input_factors[index]
+        return output if found is None else found
 
     def build(self, op: tf.Operation, new_inputs: Sequence[tf.Tensor], chunk: int, offset=None) -> list[tf.Tensor]:
         """The op rebuilt on ``new_inputs`` (sliced per :attr:`input_axes`) for the slice at ``offset``."""
@@ -226,18 +232,23 @@ def is_stateful(op: tf.Operation) -> bool:
 
 
 def _dynamic_tensor(op: tf.Operation) -> str | None:
-    """A description of the first input or output of ``op`` whose shape is not fully defined."""
+    """A description of the first input or output of ``op`` whose shape is not fully defined (an
+    opaque reserve space aside)."""
     for kind, tensors in (("input", op.inputs), ("output", op.outputs)):
         for i, t in enumerate(tensors):
-            if not t.shape.is_fully_defined():
+            if not t.shape.is_fully_defined() and (op.type, kind, i) not in RESERVE_SPACES:
                 return f"{kind} {i} has dynamic shape {t.shape}"
     return None
 
 
-def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | None = None) -> Propagation | Refusal:
+def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | None = None,
+              factor: Factor = UNIT) -> Propagation | Refusal:
     """How ``op.outputs[output_index]`` split along ``axis`` splits the op's inputs and other outputs.
 
-    ``reseed``: random draws (:data:`RANDOM_DRAWS`) may be drawn again per slice, keyed by it
+    ``factor``: where the split axis lies in that output's axis (the whole axis by default).  Only
+    a reshape moves it (:attr:`Propagation.input_factors`); every other rule reads its inputs' axes
+    as it reads its output's, so they hold the split axis alike.  ``reseed``: random draws
+    (:data:`RANDOM_DRAWS`) may be drawn again per slice, keyed by it
     (``Options.redraw_random``); without it they are refused like every stateful op.  Raises
     ``ValueError`` for an output index or axis out of range (a caller's bug); every reason not to
     split is a :class:`Refusal`.
@@ -273,7 +284,10 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only the split axis may be "
                        "dynamic")
     try:
-        result = RULES[op.type](op, output_index, axis)
+        if op.type in _FACTORED:
+            result = RULES[op.type](op, output_index, axis, factor)
+        else:
+            result = RULES[op.type](op, output_index, axis)
     except (TypeError, ValueError):
         if dynamic is None:
             raise
@@ -296,6 +310,8 @@ def _dynamic_off_axis(op: tf.Operation, prop: Propagation) -> str | None:
     one ``prop`` splits it along (a tensor read whole must be static), or ``None``."""
     for kind, tensors, axes in (("input", op.inputs, prop.input_axes), ("output", op.outputs, prop.output_axes)):
         for i, (t, a) in enumerate(zip(tensors, axes)):
+            if (op.type, kind, i) in RESERVE_SPACES:
+                continue
             if t.shape.rank is None:
                 return f"{kind} {i} has unknown rank"
             if any(d is None and j != a for j, d in enumerate(t.shape.as_list())):
@@ -620,6 +636,74 @@ def _softmax(op, output_index, axis):
     return Propagation((axis,), (axis,))
 
 
+# fused_batch_norm(x, scale, offset, mean, var)[k][.., s:s+c (channel), ..]
+#   = fused_batch_norm(x[.., s:s+c, ..], scale[s:s+c], offset[s:s+c], mean[s:s+c], var[s:s+c])[k]
+# each channel is normalised by its own statistics (over the other axes, when training), so a
+# slice of the channels is the same op on their slices; the [C] outputs (batch mean and variance,
+# reserve spaces) slice with them, empty ones ([0]: the statistics of a training step's input) are
+# read whole.  tf_keras' LayerNormalization is this op on [1, B * L, D, 1] in NCHW: one channel per
+# position, so a loop along the sequence passes it.  In inference, every other axis is elementwise
+# too.  The gradient (FusedBatchNormGrad*) slices along the channels alike; its scale and offset
+# gradients are sums over the other axes, so only the channels.
+@rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+def _fused_batch_norm(op, output_index, axis):
+    channel = _channel_axis(op)
+    if channel is None:
+        return Refusal(f"`{op.type}` has data format {op.get_attr('data_format')!r}: only NHWC, NCHW and their 3-D "
+                       "forms have a rule")
+    if output_index > 0 or axis == channel:
+        return _per_channel(op, channel, main_inputs=1, main_outputs=1)
+    if op.get_attr("is_training"):
+        return Refusal(f"`{op.type}` normalises over axis {axis}, the split axis (training statistics)")
+    return Propagation((axis,) + (None,) * (len(op.inputs) - 1),
+                       (axis,) + (None,) * (len(op.outputs) - 1))
+
+
+@rule("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
+def _fused_batch_norm_grad(op, output_index, axis):
+    channel = _channel_axis(op)
+    if channel is None:
+        return Refusal(f"`{op.type}` has data format {op.get_attr('data_format')!r}: only NHWC, NCHW and their 3-D "
+                       "forms have a rule")
+    if output_index == 0 and axis != channel:
+        return Refusal(f"`{op.type}` sums its scale and offset gradients over axis {axis}, the split axis")
+    return _per_channel(op, channel, main_inputs=2, main_outputs=1)
+
+
+def _channel_axis(op: tf.Operation) -> int | None:
+    """The channel axis of a fused batch norm (or its gradient) by its data format, or ``None``."""
+    fmt = op.get_attr("data_format")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    rank = op.inputs[0].shape.rank
+    if fmt in ("NHWC", "NDHWC"):
+        return rank - 1
+    if fmt in ("NCHW", "NCDHW"):
+        return 1
+    return None
+
+
+def _per_channel(op: tf.Operation, channel: int, main_inputs: int, main_outputs: int) -> Propagation | Refusal:
+    """A fused batch norm's (or its gradient's) slice of the channels: its first ``main_inputs``
+    inputs and ``main_outputs`` outputs along ``channel``, the [C] ones along 0, empty ones whole."""
+    def axes(tensors, main):
+        out = []
+        for i, t in enumerate(tensors):
+            if i < main:
+                out.append(channel)
+            elif reserve_space(t) or t.shape.num_elements() == 0:
+                out.append(None)
+            elif t.shape.rank == 1:
+                out.append(0)
+            else:
+                return None
+        return tuple(out)
+
+    input_axes, output_axes = axes(op.inputs, main_inputs), axes(op.outputs, main_outputs)
+    if input_axes is None or output_axes is None:
+        return Refusal(f"`{op.type}` ({op.name}) has a reserve space that is not one value per channel")
+    return Propagation(input_axes, output_axes)
+
+
 # xent(logits, labels)[i][s:s+c] = xent(logits[s:s+c], labels[s:s+c])[i]    the loss [B] and its
 # backprop [B, C] alike, along the batch only: the classes are normalised over.
 @rule("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits")
@@ -663,56 +747,58 @@ def _transpose(op, output_index, axis):
 
 # reshape(x, O)[.., s:s+c (axis a), ..] = reshape(x[.., s:s+c (axis b), ..], O with c at a)
 # when prod(O[:a]) = prod(I[:b]) and O[a] = I[b]: both are views of one [P, n, Q] array, sliced
-# alike in the middle.  By factors, as XLA's SPMD partitioner reshards through a reshape: where
-# axis a is the outermost factor of input axis b (I[b] = O[a] * k, the k below it in O), a slice of
-# c along a is a contiguous slice of c * k along b (a batch split through Keras' [B, L, E] ->
-# [B * L, E]); where axis a merges input axes b, b + 1, .. (k below b), a slice of c along a is one
-# of c / k along b, for chunks that are multiples of k.  An inner factor (the sequence inside a
-# merged batch) would be a strided slice: refused.
+# alike in the middle.  By factors, as XLA's SPMD partitioner reshards through a reshape and
+# Shardy's factor rules: a reshape keeps every element's flat index, so the split axis (n rows of
+# flat stride g) lies inside input axis b when g is a multiple of b's stride and b's length a
+# multiple of n times their ratio: axis b is then [outer, n, inner] merged (a Factor), and the
+# rows of a slice are the same flat indices, in the same order, on both sides.  Keras' Dense on
+# [B, L, D] reshapes to [B * L, D]: split along the batch, Factor(1, L) there (a contiguous run);
+# along the sequence, Factor(B, 1) (B runs).  An axis spread over two input axes ([6, 2] from
+# [3, 4]'s 3 and half of 4) is refused, as is a unit axis.
 @rule("Reshape")
-def _reshape(op, output_index, axis):
+def _reshape(op, output_index, axis, factor: Factor = UNIT):
     in_dims, out_dims = _dims(op.inputs[0]), _dims(op.outputs[0])
-    before = math.prod(out_dims[:axis])
-    scale = Fraction(1)
-    for b, n in enumerate(in_dims):
-        # A size known only at run time is kept only with the same static sizes after it.
-        if math.prod(in_dims[:b]) == before and n == out_dims[axis] and (
-                n is not None or math.prod(in_dims[b + 1:]) == math.prod(out_dims[axis + 1:])):
-            break
-    else:
-        factored = _reshape_factor(in_dims, out_dims, axis)
-        if factored is None:
-            return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}) "
-                           "as one input axis nor as its outermost factor: it splits it inside")
-        b, scale = factored
 
     def rebuild(op, inputs, chunk):
         # The static output shape with c on the axis: any -1 of the shape constant is resolved.
         shape = tf.constant(_with_chunk(out_dims, axis, chunk), dtype=op.inputs[1].dtype)
         return [tf.reshape(inputs[0], shape)]
 
-    return Propagation((b, None), (axis,), rebuild, input_scales=None if scale == 1 else (scale, 1))
-
-
-def _reshape_factor(in_dims, out_dims, axis) -> tuple[int, Fraction] | None:
-    """``(b, k)``: output ``axis`` is the outermost factor of input axis ``b`` (``k`` the product of the
-    output axes below it in ``b``), or merges input axes ``b ..`` (``k`` = 1 / the product of those
-    below ``b``); ``None`` otherwise.  Static shapes only."""
-    if any(d is None for d in list(in_dims) + list(out_dims)):
-        return None
     before = math.prod(out_dims[:axis])
-    for b in range(len(in_dims)):
-        if math.prod(in_dims[:b]) != before:
-            continue
-        # Input axis b split into output axes axis .. j - 1, axis the outermost.
-        for j in range(axis + 1, len(out_dims) + 1):
-            if math.prod(out_dims[:j]) == math.prod(in_dims[:b + 1]) and out_dims[axis] > 1:
-                return b, Fraction(math.prod(out_dims[axis + 1:j]))
-        # Output axis merges input axes b .. e - 1, b the outermost.
-        for e in range(b + 1, len(in_dims) + 1):
-            if math.prod(in_dims[:e]) == math.prod(out_dims[:axis + 1]) and in_dims[b] > 1:
-                return b, Fraction(1, math.prod(in_dims[b + 1:e]))
+    for b, n in enumerate(in_dims):
+        # A size known only at run time is kept only with the same static sizes after it.
+        if math.prod(in_dims[:b]) == before and n == out_dims[axis] and (
+                n is not None or math.prod(in_dims[b + 1:]) == math.prod(out_dims[axis + 1:])):
+            return Propagation((b, None), (axis,), rebuild)
+    found = factor_axis(in_dims, out_dims, axis, factor)
+    if found is None:
+        where = "" if factor.unit else f" (the split axis at {factor} in it)"
+        return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}){where} "
+                       "within one input axis: it splits it inside")
+    b, inner = found
+    return Propagation((b, None), (axis,), rebuild, input_factors=(inner, None))
+
+
+def factor_axis(in_dims, out_dims, axis, factor: Factor) -> tuple[int, Factor] | None:
+    """``(b, f)``: the split axis, at ``factor`` in axis ``axis`` of an array shaped ``out_dims``, lies
+    in axis ``b`` of the same elements shaped ``in_dims`` (a reshape's input, or its output: the
+    relation is symmetric), at ``f``; ``None`` if it lies in no one axis there (or shapes are not
+    static, or it has one row)."""
+    dims = list(in_dims) + list(out_dims)
+    if any(d is None or d == 0 for d in dims) or out_dims[axis] % (factor.outer * factor.inner):
+        return None
+    n = out_dims[axis] // (factor.outer * factor.inner)
+    if n <= 1:
+        return None
+    stride = factor.inner * math.prod(out_dims[axis + 1:])     # flat distance between rows of the split axis
+    for b, d in enumerate(in_dims):
+        below = math.prod(in_dims[b + 1:])
+        if stride % below == 0 and d % (stride // below * n) == 0:
+            return b, Factor(d // (stride // below * n), stride // below)
     return None
+
+
+_FACTORED = {"Reshape"}   # rules that take the factor the split axis lies at in the output
 
 
 # expand_dims(x, d)[.., s:s+c, ..] = expand_dims(x[.., s:s+c, ..], d)   the axis shifted past d;

@@ -3,6 +3,13 @@
     dynamic_slice(t, axis, offset, c)   =  t[.., offset:offset + c, ..]       (static shape, offset a tensor)
     join_slices(stacked slices, axis)   =  concat(slices, axis)               (one transpose and a reshape)
 
+and where the split axis is a factor of a tensor's axis (:class:`Factor`: ``[B * L, E]`` reshaped from
+``[B, L, E]``, split along ``L``), the same two through that factor:
+
+    factored_slice(t, axis, offset, c, f)   =  the rows of t's axis that rows offset:offset + c of the
+                                               split axis are (f.outer runs of c * f.inner rows)
+    join_slices(.., outer=f.outer)          =  those slices put back in their places
+
 and, for an axis whose length ``n`` is known only at run time (a loop of ``ceil(n / c)`` slices of
 ``c``, the last one running past ``n``):
 
@@ -17,9 +24,60 @@ the first.  Nothing here knows about regions or plans.
 
 from __future__ import annotations
 
+import dataclasses
+
 import tensorflow as tf
 
-__all__ = ["dynamic_slice", "join_slices", "clamped_slice", "valid_rows", "mask_rows", "trimmed", "axis_length"]
+__all__ = ["Factor", "UNIT", "factored_slice", "dynamic_slice", "join_slices", "clamped_slice", "valid_rows",
+           "mask_rows", "trimmed", "axis_length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    """Where the split axis lies inside one axis of a tensor, by factors (as XLA's SPMD partitioner
+    and Shardy see an axis through a reshape): that axis is ``[outer, n, inner]`` merged, ``n`` the
+    split axis' length.  Rows ``[s, s + c)`` of the split axis are, in that axis, ``outer`` runs of
+    ``c * inner`` rows starting at ``s * inner``, ``n * inner`` apart.
+
+    ``[4, 512, E]`` split along its batch is ``Factor(1, 512)`` in the ``[2048, E]`` it was reshaped
+    from (one contiguous run); split along its sequence, ``Factor(4, 1)`` there (4 runs).
+    """
+
+    outer: int = 1
+    inner: int = 1
+
+    def __post_init__(self):
+        if self.outer < 1 or self.inner < 1:
+            raise ValueError(f"a factor's outer and inner sizes are positive, not {self.outer} and {self.inner}")
+
+    @property
+    def unit(self) -> bool:
+        """Whether the split axis is the tensor's axis itself."""
+        return self.outer == 1 and self.inner == 1
+
+    def rows(self, chunk: int) -> int:
+        """The rows of the tensor's axis that ``chunk`` rows of the split axis are."""
+        return self.outer * chunk * self.inner
+
+    def __str__(self) -> str:
+        return "whole axis" if self.unit else f"[{self.outer}, n, {self.inner}]"
+
+
+UNIT = Factor()
+
+
+def factored_slice(t: tf.Tensor, axis: int, offset, size: int, factor: Factor = UNIT, cut=None) -> tf.Tensor:
+    """The rows of ``t``'s ``axis`` that rows ``offset .. offset + size - 1`` of the split axis are,
+    in order (``factor``: where the split axis lies in ``t``'s axis); ``cut`` slices a whole axis
+    (default :func:`dynamic_slice`).  More than one run (``factor.outer > 1``) needs static shapes:
+    the axis is viewed as ``[outer, n * inner]``, sliced in its second part and merged back."""
+    cut = cut or dynamic_slice
+    if factor.outer == 1:
+        return cut(t, axis, offset * factor.inner, size * factor.inner)
+    dims = t.shape.as_list()
+    grouped = tf.reshape(t, dims[:axis] + [factor.outer, dims[axis] // factor.outer] + dims[axis + 1:])
+    piece = dynamic_slice(grouped, axis + 1, offset * factor.inner, size * factor.inner)
+    return tf.reshape(piece, dims[:axis] + [factor.rows(size)] + dims[axis + 1:])
 
 
 def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
@@ -31,15 +89,30 @@ def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
     return tf.slice(t, begin, sizes)
 
 
-def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None, length=None) -> tf.Tensor:
+def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None, length=None, outer: int = 1) -> tf.Tensor:
     """Join the slices written to ``array`` (each ``[.., c, ..]``, ``c`` at ``axis``) and ``tail``.
 
     ``stack`` gives ``[S, .., c, ..]``; moving ``S`` next to the split axis and merging the two
     axes gives the slices in order along ``axis``; the remainder slice is appended.  ``length``
     (a scalar tensor): the number of slices is known only at run time, and the joined rows past
-    ``length`` (the last slice's, past the end) are cut off.
+    ``length`` (the last slice's, past the end) are cut off.  ``outer``: each slice is that many
+    runs of rows (a :class:`Factor`'s), joined run by run (static shapes).
     """
     stacked = array.stack()                                             # [S, d0, .., c, ..]
+    if outer > 1:
+        shape = stacked.shape.as_list()
+        runs = shape[:axis + 1] + [outer, shape[axis + 1] // outer] + shape[axis + 2:]
+        if tail is not None:
+            dims = tail.shape.as_list()
+            tail = tf.reshape(tail, dims[:axis] + [outer, dims[axis] // outer] + dims[axis + 1:])
+        joined = _join(tf.reshape(stacked, runs), axis + 1, tail, None)        # [.., outer, n, ..]
+        dims = joined.shape.as_list()
+        return tf.reshape(joined, dims[:axis] + [outer * dims[axis + 1]] + dims[axis + 2:])
+    return _join(stacked, axis, tail, length)
+
+
+def _join(stacked: tf.Tensor, axis: int, tail: tf.Tensor | None, length) -> tf.Tensor:
+    """:func:`join_slices` of the stacked slices ``[S, .., c, ..]``."""
     shape = stacked.shape.as_list()
     rank = len(shape) - 1
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank + 1))

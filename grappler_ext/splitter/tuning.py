@@ -59,6 +59,10 @@ class Tuning:
       root_depth: how many ops downstream of a large tensor roots are looked for ...
       root_depth_wide: ... and how many when none of those meets the limit (SGPR's predictive
         density is 14 ops after K(Z, X*)).
+      reach_on_margin: a region reaching on along the same axis past another's joined result (the
+        whole layer past its attention) that cannot meet the limit is taken if it needs at most this
+        share more by the model than the other, or than what the other leaves: one loop instead of
+        several ...
       prologue_share: a prologue replaces a tensor read whole by inputs of at most this share of
         its bytes (an attention's keys: einsum and bias, 1/8) ...
       prologue_ops: ... in at most this many ops ...
@@ -84,6 +88,7 @@ class Tuning:
     best_effort_fraction: float = 0.1
     root_depth: int = 8
     root_depth_wide: int = 32
+    reach_on_margin: float = 0.1
     prologue_share: float = 0.5
     prologue_ops: int = 8
     prologue_min_bytes: int = 1 << 16

@@ -1,10 +1,12 @@
-"""Splits through a reshape's factors: a batch axis through Keras' [B, L, E] <-> [B * L, E] reshapes.
+"""Splits through a reshape's factors: a batch or a sequence axis through Keras' [B, L, E] <-> [B * L, E].
 
-``tf.tensordot`` (tf_keras' ``Dense`` on a 3-D input) merges batch and sequence into the rows of a
-matmul and splits them back.  A loop along the batch reads ``[s L, (s + c) L)`` of the merged rows
-(the outer factor: a contiguous slice), and through the merge back, ``c`` batch rows again.  Here a
-per-example loss over a two-layer feed-forward block, forward and as a training step with the tape
-inside: one loop along the batch, within the limit by XLA's figure, equal to the unsplit function.
+``tf.tensordot`` (tf_keras' ``Dense`` on a 3-D input, Keras 3's ``matmul`` too) merges batch and
+sequence into the rows of a matmul and splits them back.  A loop along the batch reads rows
+``[s L, (s + c) L)`` of the merged rows (the outer factor: one run); a loop along the sequence
+reads ``B`` runs of ``c`` rows, ``L`` apart (the inner factor).  Through the merge back both are
+``c`` rows of their axis again.  Here losses over a two-layer feed-forward block that leave only
+one of the two axes free, or either, forward and as a training step with the tape inside: one loop,
+within the limit by XLA's figure, equal to the unsplit function.
 """
 
 from __future__ import annotations
@@ -27,19 +29,38 @@ def dense(t, w):
     return tf.tensordot(t, w, [[2], [0]])          # [B, L, D] -> reshape [B * L, D] @ w -> [B, L, E]
 
 
+def block(x):
+    return dense(tf.nn.relu(dense(x, W1)), W2)     # [B, L, D]
+
+
 def per_example(x):
-    y = dense(tf.nn.relu(dense(x, W1)), W2)
-    return tf.reduce_sum(tf.square(y), axis=[1, 2])                 # [B]
+    return tf.reduce_sum(tf.square(block(x)), axis=[1, 2])                        # [B]: either axis
 
 
-def training_step(x):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(per_example(x))
-    return (loss,) + tuple(tape.gradient(loss, [W1, W2]))
+def attention_like(x):
+    y = block(x)                                    # a softmax over the sequence couples its rows
+    return tf.reduce_sum(tf.nn.softmax(y, axis=1) * y, axis=[1, 2])             # [B]: the batch only
 
 
-@pytest.mark.parametrize("fn", [per_example, training_step], ids=lambda f: f.__name__)
-def test_a_batch_loop_through_merged_rows(fn):
+def per_position(x):
+    y = block(x)                                    # centred over the batch couples its rows
+    return tf.reduce_sum(tf.square(y - tf.reduce_mean(y, axis=0)), axis=[0, 2])  # [L]: the sequence only
+
+
+def training_step(loss_of):
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_of(x))
+        return (loss,) + tuple(tape.gradient(loss, [W1, W2]))
+    step.__name__ = f"training_step_{loss_of.__name__}"
+    return step
+
+
+@pytest.mark.parametrize("fn, lengths", [
+    (per_example, {B, L}), (attention_like, {B}), (per_position, {L}),
+    (training_step(per_example), {B, L}), (training_step(attention_like), {B}), (training_step(per_position), {L}),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_a_loop_through_merged_rows(fn, lengths):
     naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
     limit = naive // 4
     tf_memsafe.enable(limit, strict=True)
@@ -50,24 +71,28 @@ def test_a_batch_loop_through_merged_rows(fn):
     finally:
         tf_memsafe.disable()
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
-    assert len(loops) == 1 and loops[0].length == B, [r.reason for r in records]
+    assert len(loops) == 1 and loops[0].length in lengths, [r.reason for r in records]
     assert after <= limit < naive
     want = tf.function(fn, jit_compile=True)(X)
     for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):   # float32 sums reassociated
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
 
 
-def test_the_sequence_inside_a_merged_batch_is_never_sliced_through_the_merge():
-    """Per-position sums reduce the batch: a loop along the sequence would read rows of the merged
-    [B * L, E] tensor with a stride, which no rule gives (the reshape refuses the inner factor).
-    Whatever is split instead computes what the unsplit function does."""
-    def per_position(x):
-        return tf.reduce_sum(tf.square(dense(tf.nn.relu(dense(x, W1)), W2)), axis=[0, 2])   # [L]
+def test_an_axis_spread_over_two_input_axes_is_never_sliced():
+    """[B * L, E] rows as the split axis (a loss over the merged rows) reach [B, L, D] across both
+    axes: no rule gives a slice of them there; the region stops at the merge, and what is split
+    computes what the unsplit function does."""
+    def merged_rows(x):
+        rows = tf.reshape(block(x), [B * L, D])
+        return tf.reduce_sum(tf.square(rows - tf.reduce_mean(rows, axis=0)), axis=1)   # [B * L]
 
-    tf_memsafe.enable(tf_memsafe.memory_footprint(per_position, X, rewrite=False) // 4)
+    tf_memsafe.enable(tf_memsafe.memory_footprint(merged_rows, X, rewrite=False) // 4)
     try:
-        got = tf.function(per_position, jit_compile=True)(X)
+        got = tf.function(merged_rows, jit_compile=True)(X)
+        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
     finally:
         tf_memsafe.disable()
-    want = tf.function(per_position, jit_compile=True)(X).numpy()
+    assert not any(r.plan is not None and r.plan.length == B * L and r.code == Code.SPLIT
+                   and "Reshape" in r.reason for r in records)
+    want = tf.function(merged_rows, jit_compile=True)(X).numpy()
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))

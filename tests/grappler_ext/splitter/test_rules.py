@@ -14,7 +14,6 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 from tensorflow.python.framework.func_graph import FuncGraph
 
 from grappler_ext.splitter.rules import RULES, Propagation, Refusal, clone_op, leaf_kind, propagate
+from grappler_ext.splitter.slicing import UNIT, Factor, factored_slice
 
 F32, F64, I32, BOOL = tf.float32, tf.float64, tf.int32, tf.bool
 FRACTIONS = (0.0, 0.5, 1.0)  # offsets s = fraction * (n - c): first, middle and last chunk
@@ -94,18 +94,17 @@ def split_and_rebuild(case: Case):
                 assert case.refused[axis] in prop.reason, prop.reason
                 continue
             assert isinstance(prop, Propagation), f"axis {axis}: {prop.reason}"
-            # A reshape's merge reads 1/k of a row per row: chunks and offsets in multiples of k.
-            unit = math.lcm(*(prop.scale(i).denominator for i in range(len(op.inputs))))
-            chunk = case.chunk or max(unit, dims[axis] // 2 // unit * unit)
-            start = tf.cast(tf.round(fraction * (dims[axis] - chunk) / unit), tf.int32) * unit
-            new_inputs = [t if a is None else _slice(t, a, start * int(prop.scale(i) * unit) // unit,
-                                                      int(chunk * prop.scale(i)))
+            chunk = case.chunk or max(1, dims[axis] // 2)
+            start = tf.cast(tf.round(fraction * (dims[axis] - chunk)), tf.int32)
+            # (a reshape's input holds the split axis at a factor of its axis: the rows it gives)
+            new_inputs = [t if a is None else factored_slice(t, a, start, chunk, prop.factor(i))
                           for i, (t, a) in enumerate(zip(op.inputs, prop.input_axes))]
             rebuilt = prop.build(op, new_inputs, chunk, start)
             assert len(rebuilt) == len(op.outputs)
             for old, new, a in zip(op.outputs, rebuilt, prop.output_axes):
                 expected = old if a is None else _slice(old, a, start, chunk)
-                assert new.shape.as_list() == expected.shape.as_list(), (axis, new.shape, expected.shape)
+                # (a fused batch norm's third reserve space has no static shape: compared as it runs)
+                assert new.shape == expected.shape or expected.shape.rank is None, (axis, new.shape, expected.shape)
                 assert new.dtype == expected.dtype
                 pairs.append((expected, new))
         return pairs
@@ -279,6 +278,48 @@ for _k in (0, 1):
          id=f"SoftmaxCrossEntropyWithLogits-output{_k}")
     case("TopKV2", lambda x, k=_k: tf.math.top_k(x, 2)[k], [_data([3, 4, 6], F32)], output_index=_k,
          refused={2: "`TopKV2` selects along axis 2"}, id=f"TopKV2-output{_k}")
+# Fused batch norm: tf_keras' LayerNormalization (training statistics over [1, B * L, D, 1] in NCHW),
+# the batch norm of a convolution (NHWC), inference with given statistics, and the gradient.
+_empty = tf.zeros([0], F32)
+for _k in (0, 1, 2):
+    case("FusedBatchNormV3", lambda x, k=_k: _raw("FusedBatchNormV3", x, tf.ones([6]), tf.zeros([6]), _empty, _empty,
+                                                  data_format="NCHW", is_training=True, epsilon=1e-3)[k],
+         [_data([1, 6, 5, 1], F32)], output_index=_k,
+         refused={0: "normalises over axis 0", 2: "normalises over axis 2", 3: "normalises over axis 3"} if _k == 0
+         else {}, id=f"FusedBatchNormV3-layer-norm-output{_k}")
+case("FusedBatchNormV3", lambda x, g, b: _raw("FusedBatchNormV3", x, g, b, _empty, _empty, data_format="NHWC",
+                                              is_training=True, epsilon=1e-3)[0],
+     [_data([2, 3, 4, 5], F32), _data([5], F32, seed=1), _data([5], F32, seed=2)],
+     refused={a: f"normalises over axis {a}" for a in (0, 1, 2)}, id="FusedBatchNormV3-NHWC")
+case("FusedBatchNormV3", lambda x, m, v: _raw("FusedBatchNormV3", x, tf.ones([5]), tf.zeros([5]), m, v,
+                                              data_format="NHWC", is_training=False, epsilon=1e-3)[0],
+     [_data([2, 3, 4, 5], F32), _data([5], F32, seed=1), _data([5], F32, seed=2)], id="FusedBatchNormV3-inference")
+
+
+for _t, _g in (("FusedBatchNorm", "FusedBatchNormGrad"), ("FusedBatchNormV2", "FusedBatchNormGradV2")):
+    case(_t, lambda x, t=_t: _raw(t, x, tf.ones([6]), tf.zeros([6]), _empty, _empty, data_format="NCHW",
+                                  is_training=True, epsilon=1e-3)[1],
+         [_data([1, 6, 5, 1], F32)], output_index=1, id=f"{_t}-mean")
+    case(_g, lambda dy, x, t=_t, g=_g: _raw(g, dy, x, tf.ones([6]),
+                                            *_raw(t, x, tf.ones([6]), tf.zeros([6]), _empty, _empty,
+                                                  data_format="NCHW", is_training=True, epsilon=1e-3)[3:5],
+                                            data_format="NCHW", is_training=True, epsilon=1e-3)[0],
+         [_data([1, 6, 5, 1], F32, seed=3), _data([1, 6, 5, 1], F32)],
+         refused={a: "sums its scale and offset gradients" for a in (0, 2, 3)}, id=f"{_g}")
+
+
+def _batch_norm_grad(dy, x):
+    y, mean, var, r1, r2, r3 = _raw("FusedBatchNormV3", x, tf.ones([6]), tf.zeros([6]), _empty, _empty,
+                                    data_format="NCHW", is_training=True, epsilon=1e-3)
+    return _raw("FusedBatchNormGradV3", dy, x, tf.ones([6]), r1, r2, r3, data_format="NCHW", is_training=True,
+                epsilon=1e-3)
+
+
+for _k in (0, 1, 2):
+    case("FusedBatchNormGradV3", lambda dy, x, k=_k: _batch_norm_grad(dy, x)[k],
+         [_data([1, 6, 5, 1], F32, seed=3), _data([1, 6, 5, 1], F32)], output_index=_k,
+         refused={a: "sums its scale and offset gradients" for a in (0, 2, 3)} if _k == 0 else {},
+         id=f"FusedBatchNormGradV3-output{_k}")
 for _t, _fn in (("Cumsum", tf.math.cumsum), ("Cumprod", tf.math.cumprod),
                 ("CumulativeLogsumexp", tf.math.cumulative_logsumexp)):
     case(_t, lambda x, fn=_fn: fn(x, axis=1, exclusive=True), [_data([3, 4, 5], F32)],
@@ -292,15 +333,15 @@ _i3 = [_data([3, 4, 5], I32)]
 case("Transpose", lambda x: tf.transpose(x, [2, 0, 1]), _x3)
 case("Transpose", lambda x: tf.transpose(x, [1, 0, 2]), _i3, id="Transpose-i32")
 case("ConjugateTranspose", lambda x: _raw("ConjugateTranspose", x, [2, 0, 1]), _x3)
-# By factors: axis 1 of [3, 20] merges 4 x 5 (a slice of c is c / 5 rows of axis 1), as does axis 0
-# of [12, 5]; axis 1 of [3, 2, 2, 5] is the outer factor of 4 (c rows are 2c), its inner one is refused.
-case("Reshape", lambda x: tf.reshape(x, [3, 20]), _x3)
-case("Reshape", lambda x: tf.reshape(x, [-1, 5]), _i3, id="Reshape-minus1")
+# By factors: axis 1 of [3, 2, 2, 5] is the outer factor of 4 (c rows are one run of 2c), axis 2 its
+# inner factor (c rows are 2 runs of c), as is axis 1 of [6, 2, 5]; axis 1 of [3, 20] and axis 0 of
+# [12, 5] span two input axes, and axis 0 of [6, 2, 5] is 3 and half of 4: refused.
+case("Reshape", lambda x: tf.reshape(x, [3, 20]), _x3, refused={1: "within one input axis"})
+case("Reshape", lambda x: tf.reshape(x, [-1, 5]), _i3, refused={0: "within one input axis"}, id="Reshape-minus1")
 case("Reshape", lambda x: tf.reshape(x, [3, 1, -1, 5]), _x3, refused={1: "does not keep axis 1"},
      id="Reshape-unit")
-case("Reshape", lambda x: tf.reshape(x, [3, 2, 2, 5]), _x3, refused={2: "splits it inside"},
-     id="Reshape-split-middle")
-case("Reshape", lambda x: tf.reshape(x, [6, 2, 5]), _x3, refused={0: "splits it inside", 1: "splits it inside"},
+case("Reshape", lambda x: tf.reshape(x, [3, 2, 2, 5]), _x3, id="Reshape-split-middle")
+case("Reshape", lambda x: tf.reshape(x, [6, 2, 5]), _x3, refused={0: "within one input axis"},
      id="Reshape-merge-split")
 case("Reshape", lambda x: tf.reshape(x, [3, 4, 5, 1]), _x3, refused={3: "does not keep"}, id="Reshape-trailing")
 case("ExpandDims", lambda x: tf.expand_dims(x, 1), _x3, refused={1: "unit axis `ExpandDims` inserts"})
@@ -405,17 +446,69 @@ def test_reshape_maps_the_axis_through_a_merge_of_others():
     assert propagate(op, 0, 1).input_axes == (2, None)
 
 
-def test_reshape_maps_an_outer_factor_by_its_scale():
-    # Keras' Dense on [B, L, D]: [B * L, E] -> [B, L, E]; B rows are B * L rows of the input ...
+def test_reshape_maps_the_split_axis_by_its_factors():
+    # Keras' Dense on [B, L, D]: [B * L, E] -> [B, L, E].  A batch row is 512 rows of the input, one
+    # run; a sequence row is 4 rows, 512 apart.
     unmerge = _op(lambda x: tf.reshape(x, [4, 512, 8]), tf.TensorSpec([2048, 8]))
     prop = propagate(unmerge, 0, 0)
-    assert (prop.input_axes, prop.output_axes, prop.scale(0)) == ((0, None), (0,), 512)
-    # ... and [B, L, D] -> [B * L, D]: a slice of c rows is c / L batch rows.
+    assert (prop.input_axes, prop.output_axes, prop.factor(0)) == ((0, None), (0,), Factor(1, 512))
+    assert (propagate(unmerge, 0, 1).input_axes, propagate(unmerge, 0, 1).factor(0)) == ((0, None), Factor(4, 1))
+    # ... and [B, L, D] -> [B * L, D]: the merged rows hold the batch or the sequence at the factor
+    # they were reached with, which is the whole axis of one input axis.
     merge = _op(lambda x: tf.reshape(x, [2048, 8]), tf.TensorSpec([4, 512, 8]))
-    prop = propagate(merge, 0, 0)
-    assert (prop.input_axes, prop.scale(0)) == ((0, None), Fraction(1, 512))
-    # The sequence inside the merged batch would be a strided slice.
-    assert "splits it inside" in propagate(unmerge, 0, 1).reason
+    assert propagate(merge, 0, 0, factor=Factor(1, 512)).input_axes == (0, None)
+    assert propagate(merge, 0, 0, factor=Factor(1, 512)).factor(0) == UNIT
+    assert propagate(merge, 0, 0, factor=Factor(4, 1)).input_axes == (1, None)
+    # All 2048 merged rows as the split axis span both input axes.
+    assert "within one input axis" in propagate(merge, 0, 0).reason
+
+
+def _rows(n_axis: int, factor: Factor, start: int, chunk: int) -> list[int]:
+    """The rows of an axis of ``n_axis`` that rows ``start .. start + chunk - 1`` of a split axis lying
+    in it at ``factor`` are, in order (the definition, written out)."""
+    n = n_axis // (factor.outer * factor.inner)
+    return [o * n * factor.inner + r * factor.inner + i
+            for o in range(factor.outer) for r in range(start, start + chunk) for i in range(factor.inner)]
+
+
+def _take(x: np.ndarray, axis: int, factor: Factor, start: int, chunk: int) -> np.ndarray:
+    return np.take(x, _rows(x.shape[axis], factor, start, chunk), axis=axis)
+
+
+def _flat(shape, axis: int, factor: Factor, start: int, chunk: int) -> set:
+    """The flat indices of a slice of an array of ``shape``."""
+    return set(_take(np.arange(math.prod(shape)).reshape(shape), axis, factor, start, chunk).reshape(-1).tolist())
+
+
+@pytest.mark.parametrize("before, after", [
+    ([2048, 8], [4, 512, 8]), ([4, 512, 8], [2048, 8]), ([6, 4, 10], [24, 2, 5]), ([24, 2, 5], [6, 4, 10]),
+    ([2, 3, 4, 5], [6, 20]), ([6, 20], [2, 3, 4, 5]), ([12, 10], [3, 4, 2, 5]), ([3, 4, 2, 5], [12, 10]),
+])
+def test_a_reshape_maps_every_factor_it_can_and_only_those(before, after):
+    """For every output axis and every factor the split axis can lie at in it: what the rule gives
+    rebuilds the slice exactly (the slices of both sides are the same elements in the same order);
+    what it refuses no input axis holds at any factor (the same flat indices, searched by brute force)."""
+    x = np.arange(math.prod(before), dtype=np.float32).reshape(before)
+    op = _op(lambda t: tf.reshape(t, after), tf.TensorSpec(before))
+    for axis, size in enumerate(after):
+        for outer in range(1, size + 1):
+            for inner in range(1, size // outer + 1):
+                if size % (outer * inner) or size // (outer * inner) < 2:
+                    continue
+                factor, n = Factor(outer, inner), size // (outer * inner)
+                start, chunk = n // 3, max(1, n // 2)
+                want = _take(x.reshape(after), axis, factor, start, chunk)
+                prop = propagate(op, 0, axis, factor=factor)
+                if prop:
+                    b, f = prop.input_axes[0], prop.factor(0, factor)
+                    got = prop.build(op, [tf.constant(_take(x, b, f, start, chunk))], factor.rows(chunk))[0]
+                    np.testing.assert_array_equal(got.numpy(), want, err_msg=f"axis {axis} at {factor}")
+                    continue
+                target = _flat(after, axis, factor, start, chunk)
+                for b, d in enumerate(before):
+                    for o in (o for o in range(1, d + 1) if d % (o * n) == 0):
+                        assert _flat(before, b, Factor(o, d // (o * n)), start, chunk) != target, (
+                            f"axis {axis} at {factor} refused, but input axis {b} holds it: {prop.reason}")
 
 
 # --- refusals ---------------------------------------------------------------------------------------
@@ -475,7 +568,8 @@ def test_variable_ops():
 @pytest.mark.parametrize("fn, spec, axis, reason", [
     (lambda x: tf.reduce_sum(x, 1, keepdims=True), [3, 4], 1, "axis 1 is reduced by `Sum`"),
     (tf.nn.softmax, [3, 4], 1, "`Softmax` normalises over axis 1, the split axis"),
-    (lambda x: tf.reshape(x, [3, 4]), [12], 1, "`Reshape` [12] -> [3, 4] does not keep axis 1 (size 4)"),
+    (lambda x: tf.reshape(x, [6, 2]), [3, 4], 0, "`Reshape` [3, 4] -> [6, 2] does not keep axis 0 (size 6) within "
+     "one input axis"),
     (tf.exp, [None, 3], 1, "`Exp` (Exp): input 0 has dynamic shape (None, 3); only the split axis may be dynamic"),
     (lambda x: tf.reshape(x, tf.shape(x)), [None, 3], 1, "dynamic shape"),
     # [n, 4] -> [2n, 2]: both first dimensions unknown, but the axis is merged with another.
