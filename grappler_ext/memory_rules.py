@@ -437,6 +437,7 @@ _register("Pack", Rule(Kind.LOOP))
 # A variable update writes its value into the variable's buffer: the value's loop fuses into it.
 _register("AssignVariableOp AssignAddVariableOp AssignSubVariableOp", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("CheckNumerics", Rule(Kind.BITCAST))
+_register("Bitcast", Rule(Kind.LOOP, in_place=True))   # XLA's bitcast-convert: elementwise, a copy between widths
 _register("InvertPermutation ConcatOffset", Rule(Kind.STATIC, static_inputs=(0, 1)))
 # Shape arithmetic in the gradients of reductions over dimensions known only at run time (the
 # reduced shape stitched from the input's): a few ints, read at compile time by what reshapes.

@@ -323,6 +323,11 @@ class _Run:
             mark = len(journal)
             tried = PassResult(self.name)
             after, measured = self._split_large(est, info, limit, tried)
+            if best is not None and measured is None:
+                # A plan again that split less or warned is judged by XLA's figure like the one
+                # before it (a Keras step planned against a lower limit: no loop at all, 54 MB).
+                figure = self.figure()
+                measured = figure.bytes if figure.known else best[0]
             if measured is None or measured <= wanted:
                 break
             if best is not None and measured >= best[0]:
@@ -574,7 +579,7 @@ class _Region:
             # them, beyond the model's count: a slice takes at most a share of the budget.
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
-        draws = self.reseed is not None and any(op.type in rules.RANDOM_DRAWS for op in grown.region.ops)
+        draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
         if draws and backward_chunk < chunks.chunk:
             # A slice's draw keys on its offset: the gradient's slices must be the forward's.
             chunks = ChunkPlan(chunks.length, backward_chunk,
@@ -598,7 +603,13 @@ class _Region:
             return None
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
         forward_loops = mechanism.new_loops(graph, existing)
-        rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included) if self.backward else 0
+        try:
+            rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included) if self.backward else 0
+        finally:
+            # The call's seed is this loop's (its gradient keyed on it too): a later region's loop,
+            # compiled alone to size it, draws with a fixed key instead (see rules.Reseed).
+            if self.reseed is not None:
+                self.reseed.tensor = None
         # What each loop's body holds, for the memory model's view of the program as rewritten.
         joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
         for op in forward_loops:

@@ -16,10 +16,12 @@ When a rule applies (each rule states its maths in a comment above its branches)
   of ``b``; a batch axis splits both operands unless one broadcasts there; ``Einsum`` maps the output
   letter to the operands' letters; triangular and general solves split columns of the right-hand
   side and batch axes;
-* reductions, softmax, top-k and cumulative ops along *other* axes than the split axis;
-* layout ops that keep the split axis whole and in order: transpose, reshape (when the axis
-  survives the reshape), expand/squeeze, strided and plain slices taking the axis whole with stride
-  1, concat, pad, tile, broadcast, gather, pack/unpack, split, one-hot, reverse.
+* reductions, softmax, top-k and cumulative ops along *other* axes than the split axis; fused
+  batch norms and their gradients along their channels (and, in inference, along any axis);
+* layout ops that keep the split axis whole and in order: transpose, reshape (the axis kept, or
+  as a factor of an axis on the other side: :func:`factor_axis`), expand/squeeze, strided and
+  plain slices taking the axis whole with stride 1, concat, pad, tile, broadcast, gather,
+  pack/unpack, split, one-hot, reverse.
 
 Rebuilding: most ops are re-created as they were on the sliced inputs (:func:`clone_op`); ops that
 carry a full size in an attribute or constant input (``Reshape``, ``BroadcastTo``, ``Fill``,
@@ -47,7 +49,7 @@ What it refuses (a falsy :class:`Refusal` with a one-line reason, never a guess)
   generator keyed by a seed drawn once per call, the op and the slice's offset (:class:`Reseed`),
   so that a slice's gradient recomputes the very values its forward drew;
 * the split axis reduced, normalised, sorted, accumulated, concatenated, padded, tiled, gathered,
-  stacked or split along, or merged with a neighbour by a reshape;
+  stacked or split along, or spread by a reshape over two axes of its input;
 * dynamic shapes, and axes, permutations, shapes or slice bounds that are not constants;
 * leaves (:func:`leaf_kind`: constants, inputs, variable reads, ranges): the splitter slices their
   output directly instead of splitting through them.  ``Fill``, ``ZerosLike`` and ``OnesLike``
@@ -80,6 +82,8 @@ __all__ = [
     "LEAF_KINDS",
     "STATEFUL_TYPES",
     "RANDOM_DRAWS",
+    "KEYED_DRAWS",
+    "redrawn",
     "Reseed",
     "is_stateful",
     "propagate",
@@ -208,6 +212,17 @@ RANDOM_DRAWS: dict[str, Callable] = {
 }
 
 
+# Stateless draws keyed by tensors of the program (Keras 3's dropout: a StatelessRandomUniformV2
+# keyed from its seed generator's variable): drawn again slice by slice under the same option,
+# each slice's key the op's key moved by the op's name and the slice's offset.
+KEYED_DRAWS = frozenset({"StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessTruncatedNormalV2"})
+
+
+def redrawn(op: tf.Operation) -> bool:
+    """Whether ``op`` is a random draw a split loop draws again by slice (``Options.redraw_random``)."""
+    return op.type in RANDOM_DRAWS or op.type in KEYED_DRAWS
+
+
 @dataclasses.dataclass
 class Reseed:
     """The seed a split region's random draws are drawn again from.
@@ -268,6 +283,17 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice, "
                        "drawing other random numbers; enable tf_memsafe with redraw_random=True to allow that "
                        "(each slice then draws its own)")
+    if op.type in KEYED_DRAWS:
+        if reseed is None:
+            return Refusal(f"cannot split through `{op.type}` ({op.name}): a slice of a random draw is not the draw "
+                           "of a slice; enable tf_memsafe with redraw_random=True to allow other draws of the same "
+                           "distribution (each slice then draws its own)")
+        dynamic = _dynamic_tensor(op)
+        if dynamic is not None:
+            return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")
+        if not 0 <= axis < (op.outputs[0].shape.rank or 0) or output_index != 0:
+            raise ValueError(f"no output {output_index} axis {axis} of `{op.name}`")
+        return _redraw_keyed(op, axis)
     if is_stateful(op):
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice")
     if op.type not in RULES:
@@ -334,6 +360,25 @@ def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusa
         return [draw(_with_chunk(dims, axis, chunk), seed=key, dtype=op.get_attr("dtype"))]
 
     return Propagation((None,), (axis,), rebuild_at=rebuild_at)
+
+
+def _redraw_keyed(op: tf.Operation, axis: int) -> Propagation | Refusal:
+    """A slice of a keyed stateless draw along ``axis``, drawn again with the op's key moved by the
+    op's name and the slice's offset (the same in a slice's forward and its gradient's recomputation,
+    another for every slice and op; the op's key, from the program, another for every call)."""
+    shape = _const(op.inputs[0])
+    if shape is None:
+        return _not_constant(op, "shape")
+    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+    salt = zlib.crc32(op.name.encode()) & 0x7FFFFFFF
+
+    def rebuild_at(op, inputs, chunk, offset):
+        _, key, counter, alg = inputs
+        moved = tf.cast(tf.constant(salt, tf.int64) * (1 << 31) + tf.cast(offset, tf.int64) + 1, key.dtype)
+        sizes = tf.constant(_with_chunk(dims, axis, chunk), dtype=op.inputs[0].dtype)
+        return _clone(op, [sizes, key + moved, counter, alg])
+
+    return Propagation((None,) * len(op.inputs), (axis,), rebuild_at=rebuild_at)
 
 
 # --- building ----------------------------------------------------------------------------------
@@ -734,6 +779,15 @@ def _cumulative(op, output_index, axis):
 
 
 # --- layout -----------------------------------------------------------------------------------------
+
+
+# bitcast(x, T)[.., s:s+c, ..] = bitcast(x[.., s:s+c, ..], T)   the axes both sides share: a type
+# of another size adds or drops the last axis only (Keras 3 emits it for its dtype policies)
+@rule("Bitcast")
+def _bitcast(op, output_index, axis):
+    if axis >= min(op.inputs[0].shape.rank, op.outputs[0].shape.rank):
+        return Refusal(f"`Bitcast` makes axis {axis} from the element bytes")
+    return Propagation((axis,), (axis,))
 
 
 # transpose(x, p)[.., s:s+c (axis a), ..] = transpose(x[.., s:s+c (axis p[a]), ..], p)

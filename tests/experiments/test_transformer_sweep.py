@@ -67,7 +67,8 @@ def test_dropout_on_the_attentions_are_split_with_masks_drawn_by_slice(tmp_path)
     assert meta["model"]["dropout_rate"] == 0.1
     naive, tfms = sorted(meta["rows"], key=lambda r: r["variant"] != "naive")
     assert not naive["within_limit"] and tfms["within_limit"] and tfms["ran"], tfms["note"]
-    assert tfms["splits"] >= 3 and tfms["err_vs_naive"] is None
+    # (a loop reaching on along the sequence may take more than one attention: 2 loops or more)
+    assert tfms["splits"] >= 2 and tfms["err_vs_naive"] is None
 
 def test_random_batch_is_shifted_and_padded():
     (context, target_in), labels = data.random_batch(3, 64, 50, 40, seed=1)

@@ -330,6 +330,9 @@ case("Cumsum", lambda x: tf.math.cumsum(x, axis=-1, reverse=True), [_data([3, 4,
 # Layout.
 _x3 = [_data([3, 4, 5], F32)]
 _i3 = [_data([3, 4, 5], I32)]
+case("Bitcast", lambda x: tf.bitcast(x, tf.int32), _x3)
+case("Bitcast", lambda x: tf.bitcast(x, tf.int8), _x3, refused={3: "from the element bytes"}, id="Bitcast-wider")
+case("Bitcast", lambda x: tf.bitcast(x, tf.int32), [_data([3, 4, 2], tf.int16)], id="Bitcast-narrower")
 case("Transpose", lambda x: tf.transpose(x, [2, 0, 1]), _x3)
 case("Transpose", lambda x: tf.transpose(x, [1, 0, 2]), _i3, id="Transpose-i32")
 case("ConjugateTranspose", lambda x: _raw("ConjugateTranspose", x, [2, 0, 1]), _x3)

@@ -745,6 +745,74 @@ class TestRandomDrawsRedrawn:
         expected = sum(float(np.sum(g.numpy() * d)) for g, d in zip(grads, direction))
         assert slope == pytest.approx(expected, rel=1e-6)
 
+class TestKeyedDrawsRedrawn:
+    """A stateless draw keyed by a tensor of the program (Keras 3's dropout: ``StatelessRandomUniformV2``
+    keyed from its seed generator), [4096, 1024] f32 = 16 MB.  Refused by default; with
+    ``redraw_random=True`` each slice draws again with the op's key moved by the op and its offset:
+    the rate kept, slices apart, calls with other seeds apart, and a slice's gradient recomputes the
+    mask its forward drew (central differences)."""
+
+    L, D = 1024, 16
+
+    @staticmethod
+    def kept_per_row(x, seed):
+        mask = tf.nn.experimental.stateless_dropout(tf.ones([4096, 1024]), 0.25, seed=seed)
+        return tf.reduce_sum(mask * x, axis=1)                                          # [4096]
+
+    def test_by_default_the_draw_stays_whole_and_the_reason_names_the_option(self):
+        tf_memsafe.enable(4 * 10**6)
+        with splitter_only(), pytest.warns(RuntimeWarning, match="redraw_random=True"):
+            tf.function(self.kept_per_row, jit_compile=True).get_concrete_function(
+                tf.TensorSpec([1024]), tf.TensorSpec([2], tf.int64))
+        assert rewrites() == []
+
+    def test_each_slice_draws_its_own_mask_at_the_rate(self):
+        tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
+        ones = tf.ones([1024])
+        with splitter_only():
+            fn = tf.function(self.kept_per_row, jit_compile=True)
+            first, again = fn(ones, tf.constant([1, 2], tf.int64)).numpy(), fn(ones, tf.constant([1, 2], tf.int64))
+            other = fn(ones, tf.constant([7, 9], tf.int64)).numpy()
+            footprint = tf_memsafe.memory_footprint(fn, ones, tf.constant([1, 2], tf.int64))
+        assert len(rewrites()) >= 1 and footprint <= 4 * 10**6
+        kept = first * 0.75                                        # ones kept per row, of 1024
+        assert abs(kept.mean() / 1024 - 0.75) < 0.005              # 4M draws: sd 2e-4
+        assert len(np.unique(first)) > 100                          # rows, slices apart, draw apart
+        np.testing.assert_array_equal(first, again.numpy())         # a key: the same draws
+        assert not np.array_equal(first, other)                     # another key: others
+
+    def test_a_slices_gradient_recomputes_the_mask_its_forward_drew(self):
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.standard_normal((self.L, self.D)))
+        seed = tf.constant([3, 5], tf.int64)
+        weights = [tf.Variable(rng.standard_normal((self.D, self.D)) / 4) for _ in range(3)]
+
+        def loss_and_grads(x, seed):
+            with tf.GradientTape() as tape:
+                q, k, v = (x @ w for w in weights)
+                scores = tf.nn.softmax(tf.matmul(q, k, transpose_b=True), -1)                  # [L, L]
+                probs = tf.nn.experimental.stateless_dropout(scores, 0.2, seed=seed)
+                loss = tf.reduce_mean(tf.square(probs @ v))
+            return loss, tape.gradient(loss, weights)
+
+        tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
+        with splitter_only():
+            fn = tf.function(loss_and_grads, jit_compile=True)
+            _, grads = fn(x, seed)
+            assert len(rewrites()) >= 1
+            assert tf_memsafe.memory_footprint(fn, x, seed) <= 4 * 10**6
+            direction = [rng.standard_normal((self.D, self.D)) for _ in weights]
+            start = [w.numpy() for w in weights]
+            losses = []
+            for sign in (1, -1):
+                for w, w0, d in zip(weights, start, direction):
+                    w.assign(w0 + sign * 1e-6 * d)
+                losses.append(float(fn(x, seed)[0]))
+        slope = (losses[0] - losses[1]) / 2e-6
+        expected = sum(float(np.sum(g.numpy() * d)) for g, d in zip(grads, direction))
+        assert slope == pytest.approx(expected, rel=1e-6)
+
+
 def test_idempotent():
     tf_memsafe.enable(LIMIT, strict=True)
     with splitter_only():
