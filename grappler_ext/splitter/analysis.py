@@ -43,8 +43,8 @@ from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
 from grappler_ext.splitter.slicing import UNIT, Factor
 
-__all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "prologue", "downstream", "const_axes",
-           "joined_bytes", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
+__all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "reaching_on", "prologue", "downstream",
+           "const_axes", "joined_bytes", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
 
@@ -478,6 +478,24 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
             return f"`{t.op.name}` would be joined along two axes"
         roots[t.op] = ends[0]
     return sorted(roots.values(), key=lambda o: order_index[o.root])
+
+
+def reaching_on(options: list[RootOption], order_index: dict, graph_outputs: set,
+                ignored: frozenset) -> list[list[RootOption]]:
+    """Root sets ending the axis that ``options``' joined results carry on (:func:`forward_roots`
+    from each concat root's output): a loop over an attention's queries reaches on through the
+    residual, the layer norms and the feed-forward block to the layer's output.  Empty unless every
+    root of ``options`` is joined."""
+    further = []
+    for option in options:
+        if option.kind != "concat":
+            return []
+        for t, axis in zip(option.root.outputs, option.output_axes):
+            if axis is not None:
+                found = forward_roots(t, axis, order_index, graph_outputs, ignored)
+                if isinstance(found, list) and found and {o.root for o in found} != {option.root}:
+                    further.append(found)
+    return further
 
 
 def _kept(reader: tf.Operation, slots: list[int], axis: int, factor) -> tuple[rules.Propagation, object] | None:

@@ -639,18 +639,9 @@ class _Region:
 
     def reaching_on(self, best: _Candidate, tensor, beside: policy.Beside, reasons: list[Why]) -> _Candidate:
         """``best``, or the region reaching on from its joined results along the same axis to where
-        that axis ends (a loop over an attention's queries on through the residual, the layer norms
-        and the feed-forward block: one loop per layer instead of one per op group), if it takes in
+        that axis ends (one loop per encoder layer: :func:`.analysis.reaching_on`), if it takes in
         every op ``best`` does and is the better plan (:func:`.policy.reaches_on`)."""
-        further = []
-        for option in best.options:
-            if option.kind != "concat":
-                return best
-            for t, axis in zip(option.root.outputs, option.output_axes):
-                if axis is not None:
-                    found = analysis.forward_roots(t, axis, self.order_index, self.graph_outputs, self.backward)
-                    if isinstance(found, list) and found and {o.root for o in found} != {option.root}:
-                        further.append(found)
+        further = analysis.reaching_on(best.options, self.order_index, self.graph_outputs, self.backward)
         wider = self.best_root(further, tensor, beside, reasons) if further else None
         if (wider is None or not best.grown.included <= wider.grown.included
                 or not policy.reaches_on(best.planned, wider.planned, self.tuning, policy.leaves(best.grown, beside))):
