@@ -11,6 +11,8 @@ The training step (Adam, tape inside) is split too, under a limit that leaves ro
 activations every layer keeps for its backward.
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -51,6 +53,13 @@ def splitter_rewrites():
             if r.pass_name == "splitter" and r.action == "rewritten"]
 
 
+def attentions_in_loops(records) -> set:
+    """The attentions whose scores (``einsum`` of queries and keys) some loop computes: a loop reaching
+    on along the target sequence may hold two of them (the decoder's causal and cross attention)."""
+    scores = re.compile(r"(.*)/multi_head_attention(_\d+)?/einsum/Einsum")
+    return {m.group(1) for r in records for name in r.ops if (m := scores.fullmatch(name))}
+
+
 def splitter_skips():
     return [r.reason for rep in tf_memsafe.reports() for r in rep.records
             if r.pass_name == "splitter" and r.action == "skipped"]
@@ -76,7 +85,8 @@ def test_batch_is_padded_and_the_padding_mask_reaches_the_model(net, batch):
 
 
 def test_forward_equals_naive_and_fits_the_limit(net, batch):
-    """Every attention (encoder self, decoder causal self, cross) split along its queries: 71 MB -> <= 12 MB."""
+    """Every attention (encoder self, decoder causal self, cross) split along its queries, in two or
+    three loops: 71 MB -> <= 12 MB."""
     (context, target_in), _ = batch
 
     def forward(c, t):
@@ -87,7 +97,7 @@ def test_forward_equals_naive_and_fits_the_limit(net, batch):
     tf_memsafe.enable(LIMIT, strict=True)
     got = tf.function(forward, jit_compile=True)(context, target_in)
     splits = splitter_rewrites()
-    assert len(splits) == 3, splitter_skips()[:3]
+    assert len(attentions_in_loops(splits)) == 3 and len(splits) <= 3, splitter_skips()[:3]
     assert_close(got, expected)
     after = tf_memsafe.memory_footprint(forward, context, target_in)
     assert naive_bytes > 4 * LIMIT
@@ -137,7 +147,7 @@ def test_gradients_with_the_tape_outside_equal_naive(net, batch):
     tf_memsafe.enable(LIMIT)
     split = tf.function(forward, jit_compile=True)
     split(context, target_in)
-    assert len(splitter_rewrites()) == 3, splitter_skips()[:3]
+    assert len(attentions_in_loops(splitter_rewrites())) == 3, splitter_skips()[:3]
     assert_close(loss_and_grads(split), expected)
 
 
@@ -156,7 +166,8 @@ def training(batch):
             compiled = [total for name, total in xla_flags.memory_reports(folder) if "step" in name]
         footprint = max(compiled)
         out[variant] = {"losses": losses, "weights": [v.numpy() for v in net.trainable_variables],
-                        "bytes": footprint, "splits": len(splitter_rewrites()), "skips": splitter_skips()}
+                        "bytes": footprint, "splits": len(splitter_rewrites()),
+                        "attentions": attentions_in_loops(splitter_rewrites()), "skips": splitter_skips()}
         tf_memsafe.disable()
     return out
 
@@ -173,7 +184,7 @@ def test_training_step_fits_the_limit(training):
     """Embedding gradients are IndexedSlices and Adam's sparse update has dynamic shapes: the three
     attentions are split all the same, their gradients rebuilt, and the whole step fits."""
     tfms = training["tf_memsafe"]
-    assert tfms["splits"] >= 3 and tfms["bytes"] <= TRAIN_LIMIT, (tfms["bytes"], tfms["skips"][:2])
+    assert len(tfms["attentions"]) == 3 and tfms["bytes"] <= TRAIN_LIMIT, (tfms["bytes"], tfms["skips"][:2])
 
 
 def fit_transformer(batch) -> tuple[list[float], int]:
