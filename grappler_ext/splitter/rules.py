@@ -693,9 +693,8 @@ def _softmax(op, output_index, axis):
 @rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 def _fused_batch_norm(op, output_index, axis):
     channel = _channel_axis(op)
-    if channel is None:
-        return Refusal(f"`{op.type}` has data format {op.get_attr('data_format')!r}: only NHWC, NCHW and their 3-D "
-                       "forms have a rule")
+    if isinstance(channel, Refusal):
+        return channel
     if output_index > 0 or axis == channel:
         return _per_channel(op, channel, main_inputs=1, main_outputs=1)
     if op.get_attr("is_training"):
@@ -707,24 +706,22 @@ def _fused_batch_norm(op, output_index, axis):
 @rule("FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3")
 def _fused_batch_norm_grad(op, output_index, axis):
     channel = _channel_axis(op)
-    if channel is None:
-        return Refusal(f"`{op.type}` has data format {op.get_attr('data_format')!r}: only NHWC, NCHW and their 3-D "
-                       "forms have a rule")
+    if isinstance(channel, Refusal):
+        return channel
     if output_index == 0 and axis != channel:
         return Refusal(f"`{op.type}` sums its scale and offset gradients over axis {axis}, the split axis")
     return _per_channel(op, channel, main_inputs=2, main_outputs=1)
 
 
-def _channel_axis(op: tf.Operation) -> int | None:
-    """The channel axis of a fused batch norm (or its gradient) by its data format, or ``None``."""
+def _channel_axis(op: tf.Operation) -> int | Refusal:
+    """The channel axis of a fused batch norm (or its gradient) by its data format."""
     fmt = op.get_attr("data_format")
     fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-    rank = op.inputs[0].shape.rank
     if fmt in ("NHWC", "NDHWC"):
-        return rank - 1
+        return op.inputs[0].shape.rank - 1
     if fmt in ("NCHW", "NCDHW"):
         return 1
-    return None
+    return Refusal(f"`{op.type}` has data format {fmt!r}: only NHWC, NCHW and their 3-D forms have a rule")
 
 
 def _per_channel(op: tf.Operation, channel: int, main_inputs: int, main_outputs: int) -> Propagation | Refusal:

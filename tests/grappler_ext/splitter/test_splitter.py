@@ -684,6 +684,28 @@ class TestMustNotFire:
 
 
 
+def _gradient_matches_central_differences(loss_and_grads, args, weights, rng):
+    """``loss_and_grads(*args)`` split under 4 MB with ``redraw_random``: its gradient along a random
+    direction of ``weights`` equals the loss' central difference (the draws fixed by the call's seed
+    or key): a slice's gradient recomputed the masks its forward drew."""
+    tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
+    with splitter_only():
+        fn = tf.function(loss_and_grads, jit_compile=True)
+        _, grads = fn(*args)
+        assert len(rewrites()) >= 1
+        assert tf_memsafe.memory_footprint(fn, *args) <= 4 * 10**6
+        direction = [rng.standard_normal(w.shape) for w in weights]
+        start = [w.numpy() for w in weights]
+        losses = []
+        for sign in (1, -1):
+            for w, w0, d in zip(weights, start, direction):
+                w.assign(w0 + sign * 1e-6 * d)
+            losses.append(float(fn(*args)[0]))
+    slope = (losses[0] - losses[1]) / 2e-6
+    expected = sum(float(np.sum(g.numpy() * d)) for g, d in zip(grads, direction))
+    assert slope == pytest.approx(expected, rel=1e-6)
+
+
 class TestRandomDrawsRedrawn:
     """``redraw_random=True``: dropout's mask, [4096, 1024] f32 = 16 MB, drawn slice by slice.
 
@@ -728,22 +750,7 @@ class TestRandomDrawsRedrawn:
                 loss = tf.reduce_mean(tf.square(probs @ v))
             return loss, tape.gradient(loss, weights)
 
-        tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
-        with splitter_only():
-            fn = tf.function(loss_and_grads, jit_compile=True)
-            _, grads = fn(x)
-            assert len(rewrites()) >= 1
-            assert tf_memsafe.memory_footprint(fn, x) <= 4 * 10**6
-            direction = [rng.standard_normal((self.D, self.D)) for _ in weights]
-            start = [w.numpy() for w in weights]
-            losses = []
-            for sign in (1, -1):
-                for w, w0, d in zip(weights, start, direction):
-                    w.assign(w0 + sign * 1e-6 * d)
-                losses.append(float(fn(x)[0]))
-        slope = (losses[0] - losses[1]) / 2e-6
-        expected = sum(float(np.sum(g.numpy() * d)) for g, d in zip(grads, direction))
-        assert slope == pytest.approx(expected, rel=1e-6)
+        _gradient_matches_central_differences(loss_and_grads, (x,), weights, rng)
 
 class TestKeyedDrawsRedrawn:
     """A stateless draw keyed by a tensor of the program (Keras 3's dropout: ``StatelessRandomUniformV2``
@@ -795,22 +802,7 @@ class TestKeyedDrawsRedrawn:
                 loss = tf.reduce_mean(tf.square(probs @ v))
             return loss, tape.gradient(loss, weights)
 
-        tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
-        with splitter_only():
-            fn = tf.function(loss_and_grads, jit_compile=True)
-            _, grads = fn(x, seed)
-            assert len(rewrites()) >= 1
-            assert tf_memsafe.memory_footprint(fn, x, seed) <= 4 * 10**6
-            direction = [rng.standard_normal((self.D, self.D)) for _ in weights]
-            start = [w.numpy() for w in weights]
-            losses = []
-            for sign in (1, -1):
-                for w, w0, d in zip(weights, start, direction):
-                    w.assign(w0 + sign * 1e-6 * d)
-                losses.append(float(fn(x, seed)[0]))
-        slope = (losses[0] - losses[1]) / 2e-6
-        expected = sum(float(np.sum(g.numpy() * d)) for g, d in zip(grads, direction))
-        assert slope == pytest.approx(expected, rel=1e-6)
+        _gradient_matches_central_differences(loss_and_grads, (x, seed), weights, rng)
 
 
 def test_idempotent():
