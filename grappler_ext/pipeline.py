@@ -34,7 +34,8 @@ __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "regi
 
 # The product's pass order.  Rewrites that make patterns cheaper run before the splitter, which
 # must see the cheapest form of each region.
-DEFAULT_ORDER: tuple[str, ...] = ("pairwise_distance", "reduce_of_product", "matrix_chain", "splitter")
+DEFAULT_ORDER: tuple[str, ...] = ("constant_cumsum", "pairwise_distance", "reduce_of_product", "matrix_chain",
+                                  "splitter")
 
 _REGISTRY: dict[str, type[GraphPass]] = {}
 
