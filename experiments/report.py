@@ -272,6 +272,28 @@ def dynamic_lines(data: dict) -> list[str]:
             *md_table(["workload", "n", "method", "XLA", "first call", "median", "/ static", "rel. diff"], body)]
 
 
+def compile_time_lines(data: dict) -> list[str]:
+    from experiments import compile_time
+
+    rows = [compile_time.Row(**r) for r in data["rows"]]
+    naive = {(r.layer, r.length): r for r in rows if r.method == "naive"}
+    body = []
+    for r in rows:
+        base = naive.get((r.layer, r.length))
+        ratio = (r.first_call_s / base.first_call_s if r.method != "naive" and base is not None
+                 and r.first_call_s is not None and base.first_call_s else None)
+        first = seconds(r.first_call_s) if r.first_call_s is not None else f"> {data.get('timeout_s', 0):.0f} s"
+        body.append([r.layer, f"{r.length:,}", r.method, first, m.num(ratio, ".3f"),
+                     "-" if r.second_call_s is None else f"{r.second_call_s * 1e3:.1f} ms", r.rewrites or "-",
+                     m.num(r.max_rel_diff, ".1e")])
+    return [f"Batch {data.get('batch')}, {data.get('features')} features, {data.get('heads')} heads of "
+            f"{data.get('key_dim')}, float32, `training=False`. The first call (trace, rewrite, XLA compile, one run), "
+            "each in a fresh process; its time over the naive first call; the second call; the passes that "
+            "rewrote; the largest difference over the largest magnitude against the naive output.", "",
+            *md_table(["layer", "L", "method", "first call", "/ naive", "second call", "rewrites", "rel. diff"],
+                      body)]
+
+
 def training_cell(row) -> str:
     """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and the wall time."""
     if row.nit is None:
@@ -325,6 +347,10 @@ EXPERIMENTS = (
                "A function whose first dimension is known only at run time (`input_signature` with `None`), split "
                "along it with one rewrite, against a trace per static shape: footprints within the limit, time, "
                "first calls.", dynamic_lines),
+    Experiment("compile_time", "Compile time of causal masks", "experiments.compile_time", "compile_time",
+               "First calls of Keras attention layers whose causal masks are running sums of ones (Keras 3's "
+               "`MultiHeadAttention` with dropout, tf_keras' `Attention`): XLA folds those scans at compile time; "
+               "tf_memsafe's `constant_cumsum` makes them broadcast indices.", compile_time_lines),
     Experiment("transformer", "Transformer", "experiments.transformer.sweep", "transformer_sweep",
                "The Transformer of TensorFlow's translation tutorial, unchanged, over sequence lengths L: XLA's "
                "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "

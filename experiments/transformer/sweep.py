@@ -2,7 +2,7 @@
 
     python -m experiments.transformer.sweep [--preset cpu|gpu] [--quick] [--lengths 256 512 ...]
         [--limit 2GB] [--batch 1] [--modes forward train] [--train-lengths ...] [--repeats 3] [--max-run-length N]
-        [--data random|ted_hrlr] [--dropout RATE] [--out experiments/results]
+        [--data random|ted_hrlr] [--dropout RATE] [--keras 2|3] [--out experiments/results]
 
 For each sequence length L (context and target both L tokens) x {naive, tf_memsafe} x
 {forward, train}:
@@ -20,6 +20,12 @@ its loops, each slice drawing its own mask (without that option a region with a 
 split through it).  Training steps then draw other masks than the naive step, so their first losses
 are not compared (``err_vs_naive`` empty); the forward (``training=False``) draws none.  The JSON's
 ``dropout`` says which ran.
+
+``--keras 3`` builds the same model from Keras 3's classes (what ``tf.keras`` is on TF 2.21) instead of
+tf_keras's, and writes ``transformer_sweep_keras3[_quick].*``.  Keras 3's ``MultiHeadAttention`` with
+dropout computes explicit scores under a causal mask built from running sums of ones, which XLA folds
+at compile time for minutes at L = 2048 as written; tf_memsafe's ``constant_cumsum`` pass removes that
+(``experiments/compile_time.py`` measures it).
 
 Per case: XLA's footprint ("Total bytes used" of the compiled program, compiled from the very trace
 that is timed; naive: traced with tf_memsafe disabled; tf_memsafe: traced with it enabled at
@@ -341,6 +347,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", help="TFDS data directory (default: TFDS's)")
     parser.add_argument("--dropout", type=float, help="the tutorial's dropout rate (default 0: off); on, tf_memsafe "
                         "runs with redraw_random=True")
+    parser.add_argument("--keras", type=int, choices=sorted(tmodel.KERAS_VERSIONS), default=2,
+                        help="the Keras the model is written in: 2 (tf_keras, the tutorial's; default) or 3 (keras, "
+                             "what tf.keras is on TF 2.21); results of 3 go to transformer_sweep_keras3.*")
     parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
     args.out = results_dir(args.out, args.quick)
@@ -363,13 +372,12 @@ def main(argv=None) -> int:
     if args.data == "ted_hrlr" and tdata.tfds_available(args.data_dir):
         config = dataclasses.replace(config, input_vocab_size=tdata.BYTE_VOCAB, target_vocab_size=tdata.BYTE_VOCAB)
 
-    import tf_keras as keras
     from tqdm import tqdm
 
     tf.get_logger().setLevel("ERROR")  # a fresh trace per case is the point, not a mistake
-    keras.utils.set_random_seed(0)
-    model = tmodel.build_transformer(config)
-    optimizer = tmodel.tutorial_optimizer(config.d_model)
+    tmodel.keras_module(args.keras).utils.set_random_seed(0)
+    model = tmodel.build_transformer(config, keras_version=args.keras)
+    optimizer = tmodel.tutorial_optimizer(config.d_model, keras_version=args.keras)
     optimizer.build(model.trainable_variables)
     rows: list[Row] = []
     train_lengths = set(args.train_lengths or lengths)
@@ -393,12 +401,14 @@ def main(argv=None) -> int:
                     bar.update()
             case.restore()
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "transformer_sweep" + ("_quick" if args.quick else ""))
+    stem = os.path.join(args.out, "transformer_sweep" + ("_keras3" if args.keras == 3 else "")
+                        + ("_quick" if args.quick else ""))
     with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=[fld.name for fld in dataclasses.fields(Row)])
         writer.writeheader()
         writer.writerows(dataclasses.asdict(r) for r in rows)
-    meta = {"tensorflow": tf.__version__, "source": source, "preset": preset.name, "quick": args.quick,
+    meta = {"tensorflow": tf.__version__, "keras": tmodel.KERAS_VERSIONS[args.keras], "source": source,
+            "preset": preset.name, "quick": args.quick,
             "model": dataclasses.asdict(config), "batch": batch, "lengths": list(lengths),
             "train_lengths": sorted(train_lengths & set(lengths)) if "train" in args.modes else [],
             "limit_bytes": limit,
@@ -409,7 +419,8 @@ def main(argv=None) -> int:
     title = (f"Transformer ({config.num_layers} layers, d_model {config.d_model}, {config.num_heads} heads), "
              f"batch {batch}, {data_note}; XLA:CPU" if not tf.config.list_logical_devices("GPU") else "")
     plot(rows, limit, title, stem + ".png")
-    print(f"{preset.name} preset: {config.num_layers} layers, d_model {config.d_model}, dff {config.dff}, "
+    print(f"{preset.name} preset ({tmodel.KERAS_VERSIONS[args.keras]}): {config.num_layers} layers, "
+          f"d_model {config.d_model}, dff {config.dff}, "
           f"{config.num_heads} heads, batch {batch}, {data_note}, dropout {dropout_note}, "
           f"limit {tf_memsafe.format_bytes(limit)}"
           + (f", run up to L = {cap}" if cap else ""))

@@ -103,3 +103,18 @@ def test_ted_hrlr_loader_with_mock_data(tmp_path):
         assert pt.max() < data.BYTE_VOCAB and en_in.max() < data.BYTE_VOCAB
         np.testing.assert_array_equal(en_in[:, 1:], en_out[:, :-1])
     assert data.encode_bytes("é", 5).numpy().tolist() == [data.START, 0xC3 + 3, 0xA9 + 3, data.END, 0]
+
+
+def test_keras3_model_with_dropout_is_split_and_equal(tmp_path):
+    """``--keras 3``: the same model from Keras 3's classes, dropout on (its attentions then compute explicit
+    scores under a causal mask of running sums, rewritten by constant_cumsum): equal to the naive forward
+    where that fits (L = 256), split within the limit where it does not (L = 1024)."""
+    assert sweep.main(["--quick", "--keras", "3", "--lengths", "256", "1024", "--modes", "forward", "--dropout",
+                       "0.1", "--out", str(tmp_path)]) == 0
+    meta = json.loads((tmp_path / "transformer_sweep_keras3_quick.json").read_text())
+    assert meta["keras"] == "keras"
+    rows = {(r["variant"], r["length"]): r for r in meta["rows"]}
+    assert rows["naive", 256]["ran"] and rows["tf_memsafe", 256]["err_vs_naive"] < 1e-5
+    naive, tfms = rows["naive", 1024], rows["tf_memsafe", 1024]
+    assert not naive["within_limit"] and tfms["within_limit"] and tfms["ran"], tfms["note"]
+    assert tfms["splits"] >= 1

@@ -11,28 +11,17 @@ a run-time length, within the limit by XLA's figure at the nominal batch, and no
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_memsafe
 from grappler_ext.splitter.outcome import Code
-from tf_memsafe import hook
+from tests.integration.keras_fit import fit_under, keras_of
 
 pytestmark = pytest.mark.slow
 
 N, FEATURES, HIDDEN, BATCH = 5000, 64, 1024, 2048
 LIMIT = 30 * 10**6
-
-
-def _keras(version: str):
-    if version == "keras3":
-        import keras
-    else:
-        import tf_keras as keras
-    return keras
 
 
 def _fit(keras, enabled: bool):
@@ -44,23 +33,12 @@ def _fit(keras, enabled: bool):
                               keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if enabled:
-        tf_memsafe.enable(LIMIT)
-    mark = hook.report_mark()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            history = model.fit(data, epochs=1, verbose=0)
-    finally:
-        tf_memsafe.disable()
-    said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
-    records = [r for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
-    return history.history["loss"], records, said
+    return fit_under(model, data, LIMIT if enabled else None)
 
 
 @pytest.mark.parametrize("version", ["tf_keras", "keras3"])
 def test_fit_on_a_short_last_batch_is_split_along_the_batch(version):
-    keras = _keras(version)
+    keras = keras_of(version)
     expected, _, _ = _fit(keras, enabled=False)
     losses, records, said = _fit(keras, enabled=True)
     assert said == []

@@ -21,27 +21,18 @@ What is checked, at L = 512, D = 64 (naive: 19 to 54 MB):
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext.splitter.outcome import Code
+from tests.integration.keras_fit import fit_under, keras_of
 from tf_memsafe import hook
 
 pytestmark = pytest.mark.slow
 
 B, L, D, HEADS = 4, 512, 64, 4
-
-
-def _keras(version: str):
-    if version == "keras3":
-        import keras
-    else:
-        import tf_keras as keras
-    return keras
 
 
 def _encoder(keras, dropout: float = 0.0):
@@ -87,7 +78,7 @@ def _run(fn, x, limit, compare=True, **options):
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
 def test_the_forward_is_one_loop_along_the_sequence(version):
-    layer, x = _encoder(_keras(version))
+    layer, x = _encoder(keras_of(version))
 
     def forward(x):
         return layer(x)      # (inference: no dropout)
@@ -109,7 +100,7 @@ def _step(layer):
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
 def test_a_training_step_fits_an_eighth_of_its_footprint(version):
-    layer, x = _encoder(_keras(version))
+    layer, x = _encoder(keras_of(version))
     step = _step(layer)
     naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
     after, records = _run(step, x, naive // 8)
@@ -123,7 +114,7 @@ def test_a_step_with_dropout_fits_the_limit_of_the_step_without(version):
     a stateless draw from its seed generator, tf_keras draws statefully): with ``redraw_random`` each
     slice draws its own masks (its gradient the same ones), and the step fits the limit the step
     without dropout is given, although it holds more as written (the masks)."""
-    keras = _keras(version)
+    keras = keras_of(version)
     without, x = _encoder(keras)
     limit = tf_memsafe.memory_footprint(_step(without), x, rewrite=False) // 8
     layer, _ = _encoder(keras, dropout=0.1)
@@ -148,25 +139,14 @@ def _fit(keras, limit: int | None):
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensor_slices((rng.standard_normal((8, L, D)).astype(np.float32),
                                                rng.integers(0, 10, (8, L)))).batch(B, drop_remainder=True)
-    mark = hook.report_mark()
-    if limit is not None:
-        tf_memsafe.enable(limit)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            history = model.fit(data, epochs=2, verbose=0)
-    finally:
-        tf_memsafe.disable()
-    said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
-    records = [r for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
-    return history.history["loss"], records, said
+    return fit_under(model, data, limit, epochs=2)
 
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
 def test_fit_trains_an_attention_model_within_the_limit(version):
     """The training step (about 54 MB as written at L = 512) under 8 MB: split along the sequence,
     within the limit (nothing said), losses equal to the unsplit fit's."""
-    keras = _keras(version)
+    keras = keras_of(version)
     want, _, _ = _fit(keras, None)
     got, records, said = _fit(keras, 8 * 10**6)
     assert not said, said

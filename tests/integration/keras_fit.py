@@ -1,0 +1,39 @@
+"""Keras as the integration tests use it: either version by name, and ``fit`` under a limit.
+
+``fit_under(model, data, limit)`` runs ``model.fit`` with tf_memsafe enabled at ``limit`` (``None``: not
+enabled, the reference run) and returns ``(losses, splitter records, tf_memsafe's warnings)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tf_memsafe
+from tf_memsafe import hook
+
+
+def keras_of(version: str):
+    """Keras 3 (``"keras3"``: what ``tf.keras`` is on TF 2.21) or tf_keras (``"tf_keras"``)."""
+    if version == "keras3":
+        import keras
+    elif version == "tf_keras":
+        import tf_keras as keras
+    else:
+        raise ValueError(f"unknown Keras {version!r}: 'keras3' or 'tf_keras'")
+    return keras
+
+
+def fit_under(model, data, limit, epochs: int = 1):
+    """``(losses per epoch, splitter records of the traces made, tf_memsafe's warnings)`` of ``model.fit``."""
+    mark = hook.report_mark()
+    if limit is not None:
+        tf_memsafe.enable(limit)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(data, epochs=epochs, verbose=0)
+    finally:
+        tf_memsafe.disable()
+    said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+    records = [r for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
+    return history.history["loss"], records, said
