@@ -7,13 +7,17 @@ along axis ``d`` of ``n = dims[d]`` elements; ``exclusive=True`` gives ``k = iot
 
 Why: TensorFlow's XLA bridge lowers ``Cumsum`` to a reduce-window whose window is the whole axis.
 When its input is a constant, XLA's constant folder evaluates that window element by element at
-compile time.  Measured on TF 2.21 XLA:CPU, ``greater_equal(cumsum(ones([1, L, L]), -2),
-cumsum(ones([1, L, L]), -1))`` compiles in 0.1 s at L = 1024 and in 105 s at L = 2048 (the same
-mask from ``range`` and ``broadcast_to``: 0.1 s at 2048, 0.3 s at 4096).  This is exactly the causal
-mask Keras 3 builds for ``MultiHeadAttention(use_causal_mask=True)``, ``Attention`` and
-``GroupedQueryAttention``, and tf_keras for its dense attention layers: over nine minutes of compile
-before a Keras 3 decoder at L = 2048 runs once.  An index vector broadcast is folded or fused in
-milliseconds, and a split region can slice it like any elementwise op.
+compile time.  Measured on TF 2.21 XLA:CPU (``experiments/compile_time.py``, run alone), a Keras 3
+causal ``MultiHeadAttention`` layer's first call takes 0.27 s at L = 1024, 60 s at L = 2048 and 136 s
+at L = 3072 as written, and 0.38 s and 0.90 s at the longer two with its mask's scans rewritten.
+This is exactly the causal mask Keras 3 builds for
+``MultiHeadAttention(use_causal_mask=True)`` (with dropout: without it Keras 3 calls the backend's
+fused attention, masked by ``band_part``), ``Attention`` and ``GroupedQueryAttention``, and tf_keras
+for its dense attention layers: over nine minutes of compile before a Keras 3 decoder at L = 2048
+ran once (the issue's measurement).  An index vector broadcast is folded or fused in milliseconds,
+and a split region can slice it like any elementwise op.  (Disabling XLA's constant folding,
+``--xla_disable_hlo_passes=constant_folding``, also removes the stall, for every program of the
+process: not what a pass may decide for a user.)
 
 When it applies:
 
