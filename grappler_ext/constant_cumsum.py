@@ -68,9 +68,10 @@ __all__ = ["ConstantCumsum", "exact_float_bound", "float_refusal", "running_inde
 # Bits of the significand (the implicit bit included) of each floating dtype: integers up to
 # 2^p are exactly representable, so are their sums and products below that bound.
 _SIGNIFICAND_BITS = {tf.float16: 11, tf.bfloat16: 8, tf.float32: 24, tf.float64: 53}
-# Ops whose output is one value in every element, with the input holding the dims (or the tensor
-# whose shape they are) and the fill value: (dims input, value input or the value itself).
-_FILLS = {"Fill": (0, 1), "BroadcastTo": (1, 0), "OnesLike": (0, 1), "ZerosLike": (0, 0)}
+# Ops whose output is one value in every element: (the input holding the dims, the input holding the value).
+_FILLS = {"Fill": (0, 1), "BroadcastTo": (1, 0)}
+# ... and those whose dims are the shape of their input: the value they fill with.
+_LIKES = {"OnesLike": 1, "ZerosLike": 0}
 
 
 def exact_float_bound(dtype: tf.DType) -> int | None:
@@ -80,10 +81,11 @@ def exact_float_bound(dtype: tf.DType) -> int | None:
     return None if bits is None else 2 ** bits
 
 
-def running_index(n: int, exclusive: bool, reverse: bool) -> np.ndarray:
+def running_index(n, exclusive: bool, reverse: bool, arange=np.arange):
     """The multiplier ``k`` of each position along the axis (``cumsum(ones(n))`` with the same
-    flags): the pure rule the pass builds with ``tf.range``; tests check it against NumPy."""
-    i = np.arange(n)
+    flags).  The pass builds it from ``tf.range`` (``arange``) with ``n`` a tensor; tests check it
+    against NumPy."""
+    i = arange(n)
     if reverse:
         return n - 1 - i if exclusive else n - i
     return i if exclusive else i + 1
@@ -112,23 +114,21 @@ def float_refusal(dtype: tf.DType, value: np.ndarray, n: int | None, exclusive: 
 
 
 def _filled(t: tf.Tensor):
-    """``(dims, value)`` when ``t`` holds one constant value everywhere, else ``(None, why)``.
-
-    ``dims`` is a rank-1 int tensor of ``t``'s shape (built by the caller from ``OnesLike``'s input
-    when that is all there is: returned as that input, with ``value`` tagged ``"like"``).
-    """
+    """What fills ``t`` with one value: ``(source, like, value)``, where ``source`` is the dims tensor
+    (``like`` False) or the tensor whose shape the dims are (``like`` True); a reason string where
+    ``t`` is a fill whose value cannot be read; ``None`` where ``t`` is not a fill."""
     op = t.op
+    if op.type in _LIKES:
+        return op.inputs[0], True, np.array(_LIKES[op.type], dtype=t.dtype.as_numpy_dtype)
     if op.type not in _FILLS:
-        return None, None
+        return None
     dims_at, value_at = _FILLS[op.type]
-    if op.type in ("OnesLike", "ZerosLike"):
-        return ("like", op.inputs[0]), np.array(value_at, dtype=t.dtype.as_numpy_dtype)
     value = tensor_util.constant_value(op.inputs[value_at])
     if value is None:
-        return None, f"the fill value of `{op.name}` is not a constant"
+        return f"the fill value of `{op.name}` is not a constant"
     if value.size != 1:
-        return None, f"`{op.name}` broadcasts a {value.size}-element tensor, not one value"
-    return ("dims", op.inputs[dims_at]), value.reshape(())
+        return f"`{op.name}` broadcasts a {value.size}-element tensor, not one value"
+    return op.inputs[dims_at], False, value.reshape(())
 
 
 @register_pass
@@ -143,15 +143,15 @@ class ConstantCumsum(GraphPass):
             if (op.type != "Cumsum" or op not in live or op in backward
                     or graph_edit.is_generated(op)):
                 continue
-            dims, value = _filled(op.inputs[0])
-            if dims is None:
-                if value is not None:
-                    result.skip([op], f"a running sum of a fill, but {value}")
-                continue
-            self._rewrite(graph, op, dims, value, result)
+            filled = _filled(op.inputs[0])
+            if isinstance(filled, str):
+                result.skip([op], f"a running sum of a fill, but {filled}")
+            elif filled is not None:
+                self._rewrite(graph, op, *filled, result)
         return result
 
-    def _rewrite(self, graph, op: tf.Operation, dims, value: np.ndarray, result: PassResult) -> bool:
+    def _rewrite(self, graph, op: tf.Operation, source: tf.Tensor, like: bool, value: np.ndarray,
+                 result: PassResult) -> None:
         out = op.outputs[0]
         fill = op.inputs[0].op
         ops = [op.name, fill.name]
@@ -159,7 +159,7 @@ class ConstantCumsum(GraphPass):
         axis = tensor_util.constant_value(op.inputs[1])
         if rank is None or axis is None:
             result.skip(ops, "the running sum's rank or axis is not known when the function is traced")
-            return False
+            return
         axis = int(axis) % rank
         dtype = out.dtype
         n_static = out.shape[axis]
@@ -167,15 +167,13 @@ class ConstantCumsum(GraphPass):
         refusal = None if dtype.is_integer else float_refusal(dtype, value, n_static, exclusive)
         if refusal:
             result.skip(ops, refusal, bytes_before=nbytes(out))
-            return False
-        kind, source = dims
+            return
         with graph_edit.building(graph, self.name):
             # The dims tensor as the fill read it (the splitter follows shapes read from tf.shape).
-            shape = tf.shape(source) if kind == "like" else source
+            shape = tf.shape(source) if like else source
             n = tf.constant(n_static, shape.dtype) if n_static is not None else shape[axis]
-            # k: how many fill values are summed at each position (running_index, in TensorFlow).
-            i = tf.range(n, dtype=shape.dtype)
-            k = (n - 1 - i if exclusive else n - i) if reverse else (i if exclusive else i + 1)
+            # k: how many fill values are summed at each position.
+            k = running_index(n, exclusive, reverse, arange=lambda n: tf.range(n, dtype=shape.dtype))
             along = tf.cast(k, dtype) * tf.constant(value, dtype)               # [n]
             line = tf.reshape(along, [1] * axis + [-1] + [1] * (rank - axis - 1))
             new = tf.broadcast_to(line, shape)                                  # dims
@@ -187,4 +185,3 @@ class ConstantCumsum(GraphPass):
         result.rewrote(ops, f"running sum of a {dtype.name}[{shown}] fill of {value.item()!r} along axis {axis}"
                             f"{f' ({flags})' if flags else ''} as a broadcast index: no scan for XLA to fold "
                             "at compile time", bytes_before=nbytes(out), bytes_after=nbytes(out))
-        return True

@@ -17,8 +17,6 @@ from grappler_ext.pipeline import Pipeline
 from grappler_ext.printer import format_graph
 from tf_memsafe import hook
 
-SHAPE = (2, 5, 7)
-
 
 def pipeline():
     return hook.use_pipeline(Pipeline([ConstantCumsum()]))
