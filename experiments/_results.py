@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-__all__ = ["write_outputs", "results_dir", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
+__all__ = ["write_outputs", "results_dir", "machine_meta", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
 
 RESULTS = os.path.join("experiments", "results")
 QUICK_RESULTS = os.path.join(RESULTS, "quick")
@@ -23,6 +23,16 @@ def results_dir(out: str | None, quick: bool) -> str:
     """``out`` if given, else the committed results folder for a full run and its ``quick/`` subfolder
     for a smoke run."""
     return out if out else (QUICK_RESULTS if quick else RESULTS)
+
+
+def machine_meta() -> dict:
+    """What a benchmark's JSON records of the machine it ran on: TensorFlow's version and the cores."""
+    import platform
+
+    import tensorflow as tf
+
+    return {"tensorflow": tf.__version__, "cpus": os.cpu_count(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}"}
 
 
 def write_outputs(rows: list, row_type: type, stem: str, meta: dict) -> None:

@@ -30,12 +30,11 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
-from experiments._results import OUT_HELP, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
 
 LAYERS = ("keras3_mha", "tf_keras_attention")
 METHODS = ("naive", "tf_memsafe", "no_constant_cumsum")
@@ -57,7 +56,8 @@ class Row:
 
 
 def _layer(name: str):
-    """``(fn, x)``: the layer called on a fixed [BATCH, L, FEATURES] input, weights built eagerly."""
+    """``(fn, normal)``: the layer as a function of a [BATCH, L, FEATURES] input (weights built eagerly),
+    and the seeded normal sampler its inputs are drawn from."""
     import numpy as np
     import tensorflow as tf
 
@@ -162,12 +162,9 @@ def main(argv=None) -> int:
         return 0
     lengths = tuple(args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
     rows = run(lengths, args.timeout, tuple(args.layers))
-    import tensorflow as tf
-
     meta = {"quick": args.quick, "layers": args.layers, "lengths": list(lengths), "timeout_s": args.timeout,
             "batch": BATCH, "features": FEATURES, "heads": HEADS, "key_dim": KEY_DIM,
-            "tensorflow": tf.__version__, "cpus": os.cpu_count(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}",
+            **machine_meta(),
             "how": "run alone on the machine; each first call in a fresh process; methods interleaved by length"}
     write_outputs(rows, Row, os.path.join(results_dir(args.out, args.quick), "compile_time"), meta)
     return 0

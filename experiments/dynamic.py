@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import time
 
@@ -32,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
 
 LIMIT = 20_000_000
 M = 20_000
@@ -143,8 +142,7 @@ def main(argv=None) -> int:
     rows = run(sizes, m, 2 if args.quick else args.repeats, limit)
     out = results_dir(args.out, args.quick)
     meta = {"limit_bytes": limit, "points": m, "repeats": args.repeats, "quick": args.quick,
-            "tensorflow": tf.__version__, "cpus": os.cpu_count(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}",
+            **machine_meta(),
             "how": "run alone on the machine; methods interleaved per round; median of the rounds"}
     write_outputs(rows, Row, os.path.join(out, "dynamic"), meta)
     return 0
