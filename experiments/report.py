@@ -191,8 +191,11 @@ def bench_rewrites_lines(data: dict) -> list[str]:
                      m.fmt_bytes(on.footprint_bytes if on else None), shrink,
                      f"{seconds(off.seconds if off else None)} -> {seconds(on.seconds if on else None)}",
                      ", ".join(fired) or "none"])
-    return ["XLA footprint before (every pass off) and after (every pass on), median time of a run (\"not run\": "
-            "over the run limit), and the passes that rewrite the program when each runs alone.", "",
+    raised = sorted({f"{r.workload} {r.config}" for r in rows if r.raised})
+    return ["XLA footprint before (every pass off) and after (every pass on), each workload under a limit of half "
+            "its own figure as written (rewrites made for memory change only programs over their limit), median "
+            "time of a run (\"not run\": over the run limit), and the passes that rewrite the program when each "
+            "runs alone. A rewrite that raised the figure: " + (", ".join(raised) if raised else "none") + ".", "",
             *md_table(["workload", "size", "before", "after", "before/after", "time before -> after",
                        "passes that fire"], body)]
 

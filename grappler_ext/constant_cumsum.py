@@ -60,7 +60,7 @@ from tensorflow.python.framework import tensor_util
 from grappler_ext import gradients, graph_edit
 from grappler_ext.graph_query import live_ops
 from grappler_ext.op_types import nbytes
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pipeline import register_pass
 
 __all__ = ["ConstantCumsum", "exact_float_bound", "float_refusal", "running_index"]
@@ -134,6 +134,7 @@ def _filled(t: tf.Tensor):
 @register_pass
 class ConstantCumsum(GraphPass):
     name = "constant_cumsum"
+    motive = Motive.COMPILE
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)

@@ -72,18 +72,27 @@ class Journal:
 
     def __init__(self):
         self._edits: list = []
+        self._version = 0
 
     def __len__(self) -> int:
         return len(self._edits)
 
+    @property
+    def version(self) -> int:
+        """A count of every edit recorded and undone: equal versions, the same graph (a length is not:
+        edits undone and others made leave it as it was)."""
+        return self._version
+
     def record(self, edit) -> None:
         self._edits.append(edit)
+        self._version += 1
 
     def undo(self, to: int = 0) -> None:
         """Revert the recorded edits, newest first, until ``to`` of them are left (a ``len()`` taken
         earlier: the edits made since; by default all)."""
         while len(self._edits) > to:
             edit = self._edits.pop()
+            self._version += 1
             if isinstance(edit, _InputEdit):
                 edit.op._update_input(edit.index, edit.old)  # noqa: SLF001 - the one rewiring API
             elif isinstance(edit, _CallbackEdit):

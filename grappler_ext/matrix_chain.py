@@ -11,14 +11,18 @@ factors ``op(X0) op(X1) ... op(X(n-1))`` (``op`` a transpose or not), asks the c
 When it applies:
 
 * products spelled ``MatMul``, ``BatchMatMul``, ``BatchMatMulV2`` or ``BatchMatMulV3`` (input and
-  output dtypes equal), and ``Einsum`` with two operands and a plain (batch) matmul equation:
-  identical leading batch letters, one contracted letter, the output the free letter of the first
-  operand then that of the second (``ij,jk->ik``, ``bij,bkj->bik``, ``...ji,...jk->...ik``).  Any
-  other ``Einsum`` is not guessed at: it ends the chain, and a chain stopped by it says so;
+  output dtypes equal), and ``Einsum`` with two operands that is a (batch) product of matrices and
+  vectors (:func:`einsum_form`): a plain matmul (``ij,jk->ik``, ``bij,bkj->bik``,
+  ``...ji,...jk->...ik``), a matrix-vector or vector-matrix product (``ij,j->i``, ``ji,j->i``,
+  ``j,jk->k``, ``bij,bj->bi``) or a dot product (``i,i->``).  A vector is read as a column
+  ``[.., J, 1]`` (a row where it enters transposed), so ``(A B) v`` spelled with einsums is the
+  same chain as with matmuls.  Any other ``Einsum`` is not guessed at: it ends the chain, and a
+  chain stopped by it says so;
 * transposes are folded through: ``transpose_a``/``transpose_b`` and ``adj_x``/``adj_y`` mark a
-  factor transposed, and a transposed interior product is ``(X Y)^T = Y^T X^T``, its factors
-  reversed and each transposed.  The new products carry the leaves' flags, so no ``Transpose`` op
-  is ever built;
+  factor transposed, so does a ``Transpose`` op that swaps the last two axes (``tf.transpose(A)``,
+  ``tf.linalg.matrix_transpose``) between products or on a factor, and a transposed interior
+  product is ``(X Y)^T = Y^T X^T``, its factors reversed and each transposed.  The new products
+  carry the leaves' flags, so no ``Transpose`` op is ever built;
 * real floating dtypes only (half, bfloat16, float32, float64).  Complex chains are refused:
   ``adj_x`` conjugates and ``MatMul``'s ``transpose_a`` does not, and a reversed interior would
   need conjugates the pass does not build.  Integer chains are refused: reassociation would be
@@ -48,7 +52,7 @@ Why it is safe, and what changes numerically:
 
 What it does not handle: matrix-vector chains through ``tf.linalg.matvec`` (an ``ExpandDims`` and a
 ``Squeeze`` sit between the products), products through ``Reshape`` (Keras ``Dense`` on rank-3
-inputs), ``Transpose`` ops between products, triangular solves, complex dtypes, broadcast batches.
+inputs), a ``Transpose`` that moves batch axes, triangular solves, complex dtypes, broadcast batches.
 
 Pipeline position: before the splitter, which must not chunk an ``[N, N]`` intermediate this pass
 removes.  Independent of ``pairwise_distance`` (its generated ``MatMul`` is a leaf here, as is
@@ -65,14 +69,14 @@ import math
 
 import tensorflow as tf
 
-from grappler_ext import graph_edit
+from grappler_ext import folding, graph_edit
 from grappler_ext.chain_order import Tree, choose_order
 from grappler_ext.graph_query import live_ops, topological_order
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pattern import Any, Op, match
 from grappler_ext.pipeline import register_pass
 
-__all__ = ["MatrixChain", "PRODUCT_TYPES", "einsum_transposes"]
+__all__ = ["MatrixChain", "PRODUCT_TYPES", "EinsumForm", "einsum_form", "einsum_transposes"]
 
 # Op type -> the attributes saying whether operand 0 and operand 1 enter transposed.
 PRODUCT_TYPES: dict[str, tuple[str, str] | None] = {
@@ -88,13 +92,29 @@ _PRODUCT = Op("|".join(PRODUCT_TYPES), Any("x"), Any("y"), name="product")
 
 
 
-def einsum_transposes(equation: str) -> tuple[bool, bool] | None:
-    """``(transpose_x, transpose_y)`` if ``equation`` is a plain (batch) matmul, else None.
+@dataclasses.dataclass(frozen=True)
+class EinsumForm:
+    """A two-operand ``Einsum`` read as the product ``op(F0) op(F1)`` of matrices and column vectors.
 
-    Plain: ``<batch>xx,<batch>yy-><batch>ik`` with the same batch letters (or ``...``) in all three,
-    one letter ``j`` shared by the two operands' last two letters and absent from the output, and the
-    output's last two letters the other letter of the first operand (``i``) then of the second
-    (``k``).  ``ij``/``ji`` gives transpose_x False/True; ``jk``/``kj`` gives transpose_y False/True.
+    ``swap``: ``F0`` is the equation's second operand (``j,jk->k`` is ``Yᵀ x``); ``transposed``: the
+    flags of ``F0`` and ``F1``; ``vector``: which of ``F0``, ``F1`` is a vector (read as a column
+    ``[.., J, 1]``, a row where transposed); ``out``: ``"matrix"``, ``"vector"`` (the product's
+    ``[.., I, 1]`` without its unit axis) or ``"scalar"`` (a dot product's ``[.., 1, 1]``).
+    """
+
+    swap: bool
+    transposed: tuple[bool, bool]
+    vector: tuple[bool, bool]
+    out: str
+
+
+def einsum_form(equation: str) -> EinsumForm | None:
+    """How a two-operand ``equation`` is a product of matrices and vectors, else None.
+
+    Batch letters (or a leading ``...``) must be the same prefix of all three terms; after them
+    each operand has one letter (a vector) or two (a matrix), exactly one letter ``j`` is shared by
+    the operands and absent from the output, and the output keeps the other letters in operand
+    order: ``ij,jk->ik``, ``ij,j->i``, ``j,jk->k``, ``i,i->``.
     """
     eq = equation.replace(" ", "")
     if eq.count("->") != 1:
@@ -104,25 +124,44 @@ def einsum_transposes(equation: str) -> tuple[bool, bool] | None:
     if len(operands) != 2:
         return None
     x, y = operands
-    # A leading ellipsis in all three is a batch prefix; anywhere else it is not a matmul.
+    # A leading ellipsis in all three is a batch prefix; anywhere else it is not a product.
     if x.startswith("...") and y.startswith("...") and out.startswith("..."):
         x, y, out = x[3:], y[3:], out[3:]
-    if not all(s.isalpha() for s in (x, y, out)) or not len(x) == len(y) == len(out) >= 2:
+    if not all(s.isalpha() or not s for s in (x, y, out)):
         return None
     if any(len(set(s)) != len(s) for s in (x, y, out)):
         return None  # a repeated letter is a trace or a diagonal
-    batch = out[:-2]
-    if x[:-2] != batch or y[:-2] != batch:
+    for bx in range(len(x) + 1):
+        batch = x[:bx]
+        xc, yc = x[bx:], y[bx:]
+        if not (1 <= len(xc) <= 2 and 1 <= len(yc) <= 2 and y[:bx] == batch and out[:bx] == batch):
+            continue
+        oc = out[bx:]
+        shared = set(xc) & set(yc)
+        if len(shared) != 1 or set(batch) & (set(xc) | set(yc) | set(oc)):
+            continue
+        (j,) = shared
+        free_x, free_y = [c for c in xc if c != j], [c for c in yc if c != j]
+        if j in oc or oc != "".join(free_x + free_y):
+            continue
+        tx, ty = len(xc) == 2 and xc[0] == j, len(yc) == 2 and yc[1] == j
+        if len(xc) == 2 and len(yc) == 2:                    # [.., i, j] [.., j, k]
+            return EinsumForm(False, (tx, ty), (False, False), "matrix")
+        if len(xc) == 2:                                     # [.., i, j] [.., j]: op(X) y
+            return EinsumForm(False, (tx, False), (False, True), "vector")
+        if len(yc) == 2:                                     # [.., j] [.., j, k]: (xᵀ op(Y))ᵀ = op(Y)ᵀ x
+            return EinsumForm(True, (yc[0] == j, False), (False, True), "vector")
+        return EinsumForm(False, (True, False), (True, True), "scalar")   # [.., j] [.., j]: xᵀ y
+    return None
+
+
+def einsum_transposes(equation: str) -> tuple[bool, bool] | None:
+    """``(transpose_x, transpose_y)`` if ``equation`` is a plain (batch) matmul, else None: the
+    matrix-by-matrix case of :func:`einsum_form`, whose output keeps ``i`` then ``k``."""
+    form = einsum_form(equation)
+    if form is None or form.out != "matrix":
         return None
-    xm, ym, (i, k) = x[-2:], y[-2:], out[-2:]
-    shared = set(xm) & set(ym)
-    if len(shared) != 1:
-        return None
-    (j,) = shared
-    if j in out or set(xm) != {i, j} or set(ym) != {j, k}:
-        return None
-    # x[..., j, i] enters transposed; y[..., k, j] enters transposed.
-    return xm[0] == j, ym[1] == j
+    return form.transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +173,9 @@ class _Product:
     y: tf.Tensor
     transpose_x: bool
     transpose_y: bool
+    vector_x: bool = False          # read as a column [.., J, 1] (an Einsum's vector operand)
+    vector_y: bool = False
+    out: str = "matrix"             # "vector" / "scalar": the [.., I, 1] / [.., 1, 1] product, unit axes dropped
 
 
 def _as_product(op: tf.Operation) -> _Product | str | None:
@@ -151,10 +193,12 @@ def _as_product(op: tf.Operation) -> _Product | str | None:
     if attrs is None:
         equation = op.get_attr("equation")
         equation = equation.decode() if isinstance(equation, bytes) else equation
-        flags = einsum_transposes(equation)
-        if flags is None:
-            return f"`{op.name}` (Einsum '{equation}') is not a plain matmul"
-        return _Product(op, x, y, *flags)
+        form = einsum_form(equation)
+        if form is None:
+            return f"`{op.name}` (Einsum '{equation}') is not a product of matrices and vectors"
+        if form.swap:
+            x, y = y, x
+        return _Product(op, x, y, *form.transposed, *form.vector, form.out)
     return _Product(op, x, y, bool(op.get_attr(attrs[0])), bool(op.get_attr(attrs[1])))
 
 
@@ -164,7 +208,8 @@ class _Chain:
 
     root: _Product
     ops: list[tf.Operation] = dataclasses.field(default_factory=list)  # root first
-    leaves: list[tuple[tf.Tensor, bool]] = dataclasses.field(default_factory=list)  # (tensor, transposed)
+    # (tensor, transposed, vector): a vector is read as a column [.., J, 1], a row if transposed.
+    leaves: list[tuple[tf.Tensor, bool, bool]] = dataclasses.field(default_factory=list)
     cuts: list[str] = dataclasses.field(default_factory=list)  # why the chain stops where it does
     tree: Tree = 0
 
@@ -194,6 +239,7 @@ class _Uses:
 @register_pass
 class MatrixChain(GraphPass):
     name = "matrix_chain"
+    motive = Motive.FLOPS
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)
@@ -236,19 +282,28 @@ class MatrixChain(GraphPass):
         """Flatten ``product`` (transposed if ``transposed``) into ``chain``; its order as a tree."""
         chain.ops.append(product.op)
         # op(X) op(Y) as it stands; (op(X) op(Y))^T = op(Y)^T op(X)^T, and op(Y)^T flips Y's flag.
-        operands = [(product.x, product.transpose_x), (product.y, product.transpose_y)]
+        x, y = (product.x, product.transpose_x, product.vector_x), (product.y, product.transpose_y, product.vector_y)
+        operands = [x, y]
         if transposed:
-            operands = [(product.y, not product.transpose_y), (product.x, not product.transpose_x)]
+            operands = [(y[0], not y[1], y[2]), (x[0], not x[1], x[2])]
         trees = []
-        for t, t_transposed in operands:
+        for t, t_transposed, vector in operands:
+            t, t_transposed, through = _through_transposes(t, t_transposed, vector)
             sub = None if graph_edit.is_generated(t.op) else _as_product(t.op)
-            why = uses.why_not_interior(t) if isinstance(sub, _Product) else sub
+            why = sub
+            if isinstance(sub, _Product):
+                # An interior product is read as its parent reads it: a vector in a vector's place.
+                why = next((w for w in map(uses.why_not_interior, [t] + [o.outputs[0] for o in through]) if w),
+                           None)
+                if why is None and (sub.out == "scalar" or (sub.out == "vector") != vector):
+                    why = f"`{sub.op.name}` is a {sub.out} product read as a {'vector' if vector else 'matrix'}"
             if isinstance(sub, _Product) and why is None:
+                chain.ops.extend(through)
                 trees.append(self._walk(sub, t_transposed, chain, uses))
                 continue
             if why:
                 chain.cuts.append(why)
-            chain.leaves.append((t, t_transposed))
+            chain.leaves.append((t, t_transposed, vector))
             trees.append(len(chain.leaves) - 1)
         return trees[0], trees[1]
 
@@ -270,8 +325,8 @@ class MatrixChain(GraphPass):
         if not dtype.is_floating:
             result.skip(ops, f"{dtype.name} chain: only floating dtypes are re-associated")
             return None
-        shapes = [t.shape for t, _ in chain.leaves]
-        for (t, _), shape in zip(chain.leaves, shapes):
+        shapes = [_view(t, vector) for t, _, vector in chain.leaves]
+        for (t, _, _), shape in zip(chain.leaves, shapes):
             if not shape.is_fully_defined():
                 result.skip(ops, f"dynamic shape: factor `{t.name}` is {shape}")
                 return None
@@ -282,7 +337,7 @@ class MatrixChain(GraphPass):
                              f"{', '.join(str(s) for s in shapes)}")
             return None
         # Factor i is op(X_i): [B.., rows_i, cols_i], transposed or not.
-        mats = [(s[-1], s[-2]) if tr else (s[-2], s[-1]) for s, (_, tr) in zip(shapes, chain.leaves)]
+        mats = [(s[-1], s[-2]) if tr else (s[-2], s[-1]) for s, (_, tr, _) in zip(shapes, chain.leaves)]
         dims = [mats[0][0]] + [cols for _, cols in mats]
         if any(mats[i][1] != mats[i + 1][0] for i in range(n - 1)):
             result.skip(ops, f"inner dimensions of the factors disagree: {mats}")
@@ -300,16 +355,41 @@ class MatrixChain(GraphPass):
 
         def build(t: Tree) -> tuple[tf.Tensor, bool]:
             if isinstance(t, int):
-                leaf, transposed = chain.leaves[t]
+                leaf, transposed, vector = chain.leaves[t]
+                if vector:
+                    leaf = tf.expand_dims(leaf, -1)                  # the column [B.., J, 1]
                 return leaf, transposed                              # op(X_t): [B.., d_t, d_t+1]
             (a, ta), (b, tb) = build(t[0]), build(t[1])
             # op(a) op(b): [B.., d_i, d_k+1] x [B.., d_k+1, d_j+1] => [B.., d_i, d_j+1]
             return tf.linalg.matmul(a, b, transpose_a=ta, transpose_b=tb), False
 
         out, _ = build(tree)
+        if chain.root.out != "matrix":
+            # [B.., I, 1] or [B.., 1, 1]: the unit axes the vector or dot product drops.
+            out = tf.reshape(out, chain.root.op.outputs[0].shape)
         return out
 
 
+def _view(t: tf.Tensor, vector: bool) -> tf.TensorShape:
+    """``t``'s shape as a factor's: a vector ``[B.., J]`` as its column ``[B.., J, 1]``."""
+    return t.shape.concatenate([1]) if vector else t.shape
+
+
+def _through_transposes(t: tf.Tensor, transposed: bool, vector: bool):
+    """``(source, transposed, ops)``: ``t`` read through the ``Transpose`` ops that swap its last two
+    axes (``tf.transpose`` of a matrix, ``tf.linalg.matrix_transpose``), each flipping the flag."""
+    through = []
+    while not vector and t.op.type == "Transpose" and t.shape.rank is not None and t.shape.rank >= 2:
+        perm = folding.static_value(t.op.inputs[1])
+        rank = t.shape.rank
+        if perm is None or list(perm) != list(range(rank - 2)) + [rank - 1, rank - 2]:
+            break
+        through.append(t.op)
+        t, transposed = t.op.inputs[0], not transposed
+    return t, transposed, through
+
+
 def _batch_text(chain: _Chain) -> str:
-    batch = chain.leaves[0][0].shape.as_list()[:-2]
+    t, _, vector = chain.leaves[0]
+    batch = _view(t, vector).as_list()[:-2]
     return f" x batch {batch}" if batch else ""

@@ -43,7 +43,9 @@ Why it is safe, and what changes numerically:
   ``a / s - b / s``, equal in real arithmetic, within a few ulps in floating point.
 
 Pipeline position: first, before the splitter, so that the splitter sees an [N, M] matmul region
-instead of a three-dimensional broadcast.
+instead of a three-dimensional broadcast.  Its motive is memory: the pipeline runs it only on a
+program over its limit, and undoes it where XLA's figure rises (:mod:`grappler_ext.guard`), so a
+program that fits keeps its exact distances.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from tensorflow.python.framework import tensor_util
 
 from grappler_ext import gradients, graph_edit
 from grappler_ext.graph_query import live_ops
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pattern import Any, Const, OneOf, Op, is_floating, match, static_shape
 from grappler_ext.pipeline import register_pass
 from grappler_ext.xla_facts import FUSED_REDUCTION_MAX
@@ -145,6 +147,7 @@ def _operand_shapes(a: tf.Tensor, b: tf.Tensor):
 @register_pass
 class PairwiseDistance(GraphPass):
     name = "pairwise_distance"
+    motive = Motive.MEMORY
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)

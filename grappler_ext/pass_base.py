@@ -14,7 +14,7 @@ import dataclasses
 import enum
 from typing import ClassVar, Literal
 
-__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "REWRITTEN", "SKIPPED"]
+__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "Motive", "REWRITTEN", "SKIPPED"]
 
 REWRITTEN: Literal["rewritten"] = "rewritten"
 SKIPPED: Literal["skipped"] = "skipped"
@@ -120,16 +120,27 @@ class PassOptions:
     redraw_random: bool = False
 
 
+class Motive(enum.Enum):
+    """Why a pass rewrites, which decides when the pipeline lets it (:mod:`grappler_ext.guard`)."""
+
+    MEMORY = "memory"      # fewer bytes: runs only on a program over its limit, undone if its figure rises
+    FLOPS = "flops"        # fewer FLOPs by a proven margin: runs whatever the limit
+    COMPILE = "compile"    # less work for XLA's compiler (a constant it would fold): runs whatever the limit
+    LIMIT = "limit"        # meets the limit and judges its own plans (the splitter)
+
+
 class GraphPass(abc.ABC):
     """A named graph transformation.
 
     Subclasses set ``name`` (the same short name as their module, their option and their label in
-    ``explain()``) and implement :meth:`run`.  A pass analyses, plans and builds its new ops first
+    ``explain()``) and ``motive`` (:class:`Motive`; by default memory, the guarded kind), and
+    implement :meth:`run`.  A pass analyses, plans and builds its new ops first
     and rewires consumers last, only through :mod:`grappler_ext.graph_edit`, whose journal lets the
     pipeline undo the whole run if this or a later pass fails.
     """
 
     name: ClassVar[str]
+    motive: ClassVar[Motive] = Motive.MEMORY
 
     @abc.abstractmethod
     def run(self, graph, options) -> PassResult:

@@ -10,7 +10,10 @@ Modelled on XLA's ``HloPassPipeline`` and ``HloPassFix``:
 * every edit goes to one journal; if a pass raises or the verifier fails, the journal is undone,
   so the graph computes exactly what it computed when traced, and a :class:`RewriteError` names
   the failing pass and the passes before it;
-* ``Options.dump_dir`` receives the printed graph before and after each pass.
+* ``Options.dump_dir`` receives the printed graph before and after each pass;
+* a :class:`~grappler_ext.guard.Guard` decides around every pass whose motive is memory: it does
+  not run on a program within its limit as traced, and its edits are undone where the program's
+  figure rises with them (each with a record in the pass's name saying so).
 
 Passes register themselves with :func:`register_pass`; :data:`DEFAULT_ORDER` fixes where each
 one sits.  A pass module states its place and why in its docstring.
@@ -26,7 +29,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from grappler_ext.graph_edit import Journal, journaled
-from grappler_ext.pass_base import GraphPass, PassResult, Record
+from grappler_ext.guard import Code as GuardCode
+from grappler_ext.guard import Guard, Verdict
+from grappler_ext.pass_base import GraphPass, Motive, PassResult, Record
 from grappler_ext.verifier import OutputSignature, VerificationError, verify
 
 __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "registered_passes",
@@ -91,12 +96,15 @@ class PipelineResult:
 class Pipeline:
     """An ordered list of passes run over a graph (see the module docstring)."""
 
-    def __init__(self, passes: Sequence[GraphPass]):
+    def __init__(self, passes: Sequence[GraphPass], guard: Guard | None = None):
         names = [p.name for p in passes]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"pass(es) {dupes} appear twice in the pipeline")
+        if guard is not None and not isinstance(guard, Guard):
+            raise TypeError(f"guard must be a grappler_ext.guard.Guard, got {type(guard).__name__}")
         self.passes = tuple(passes)
+        self.guard = guard or Guard()      # without a measurer: the memory model alone
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -114,6 +122,7 @@ class Pipeline:
         journal = Journal()
         ran: list[str] = []
         step = 0
+        verdict: dict = {}      # the guard's, once a run (before the first memory pass), and who was told
         with journaled(journal):
             for _ in range(options.max_fixed_point_iterations):
                 result.iterations += 1
@@ -123,7 +132,10 @@ class Pipeline:
                     self._dump(graph, options, step, p.name, "before")
                     edits_before = len(journal)
                     try:
-                        pass_result = p.run(graph, options)
+                        if p.motive is Motive.MEMORY:
+                            pass_result = self._guarded(p, graph, options, journal, verdict)
+                        else:
+                            pass_result = p.run(graph, options)
                         if not isinstance(pass_result, PassResult):
                             raise TypeError(f"run() returned {type(pass_result).__name__}, not PassResult")
                         if options.verify:
@@ -145,6 +157,42 @@ class Pipeline:
                 result.reached_fixed_point = options.max_fixed_point_iterations == 1
         return result
 
+    def _guarded(self, p: GraphPass, graph, options, journal: Journal, verdict: list) -> PassResult:
+        """``p.run`` as the guard allows: not on a program within its limit as traced; undone where
+        the program's figure rose with it (:mod:`grappler_ext.guard`)."""
+        if "as_traced" not in verdict:
+            verdict["as_traced"] = self.guard.verdict(graph, options)
+        fits: Verdict | None = verdict["as_traced"]
+        if fits is not None and fits.fits:
+            result = PassResult(p.name)
+            if p.name not in verdict:          # said once a run, not at every iteration
+                verdict[p.name] = True
+                result.skip([], f"left alone: the program is within its limit as traced ({fits.reason}); "
+                                "rewrites made for memory change only programs over it", code=GuardCode.FITS)
+            return result
+        measures = self.guard.measures(options)
+        before = None if measures else self.guard.standing(graph, options)
+        mark = len(journal)
+        result = p.run(graph, options)
+        if not isinstance(result, PassResult) or not result.changed:
+            return result
+        after = self.guard.standing(graph, options)
+        if measures:
+            # XLA's figure before the pass: its edits undone to compile the program as it was.
+            journal.undo(to=mark)
+            before = self.guard.standing(graph, options)
+        worse = self.guard.compare(before, after)
+        if worse is None:
+            # Kept: run again where it was undone to measure (the same graph, the same decisions).
+            return p.run(graph, options) if measures else result
+        if not measures:
+            journal.undo(to=mark)
+        undone = PassResult(p.name)
+        ops = sorted({name for r in result.rewritten for name in r.ops})
+        undone.skip(ops, f"undone: {worse}; {len(result.rewritten)} rewrite(s) by its own count "
+                         f"({'; '.join(r.reason for r in result.rewritten)[:300]})", code=GuardCode.ROSE)
+        return undone
+
     @staticmethod
     def _dump(graph, options, step: int, pass_name: str, when: str) -> None:
         if not options.dump_dir:
@@ -158,13 +206,13 @@ class Pipeline:
             f.write(format_graph(graph))
 
 
-def default_pipeline(instances: Mapping[str, GraphPass] | None = None) -> Pipeline:
+def default_pipeline(instances: Mapping[str, GraphPass] | None = None, guard: Guard | None = None) -> Pipeline:
     """The product's pipeline: every pass of :data:`DEFAULT_ORDER`, in that order.
 
     A pass named ``x`` lives in the module ``grappler_ext.x``; importing it registers it.  Passes are
     built with no arguments, except those given in ``instances`` (by name): the composition root
     hands in the passes it builds with their dependencies (``tf_memsafe`` gives the splitter XLA's
-    measurer).
+    measurer), and the guard it builds with the same measurer (default: the memory model alone).
     """
     instances = dict(instances or {})
     for name in DEFAULT_ORDER:
@@ -179,4 +227,4 @@ def default_pipeline(instances: Mapping[str, GraphPass] | None = None) -> Pipeli
         if not isinstance(instance, _REGISTRY[name]):
             raise TypeError(f"the pass given for {name!r} is a {type(instance).__name__}, not a "
                             f"{_REGISTRY[name].__name__}")
-    return Pipeline([instances.get(n) or _REGISTRY[n]() for n in DEFAULT_ORDER])
+    return Pipeline([instances.get(n) or _REGISTRY[n]() for n in DEFAULT_ORDER], guard=guard)

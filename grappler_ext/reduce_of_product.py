@@ -95,7 +95,10 @@ Not handled: a product read through ``Reshape``/``Transpose``/``Identity``; a me
 
 Pipeline position: after ``pairwise_distance`` and before the splitter, so the splitter never
 has to chunk a product that is not needed.  It does not look at ops that tf_memsafe generated
-(``tf_memsafe/`` name scope), so it is idempotent and leaves other passes' matmuls alone.
+(``tf_memsafe/`` name scope), so it is idempotent and leaves other passes' matmuls alone.  Its
+motive is memory: the pipeline runs it only on a program over its limit and undoes it where XLA's
+figure rises with it (:mod:`grappler_ext.guard`: XLA:CPU often fuses the reduction of a dot itself,
+so the count above can promise bytes the program never held).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ import tensorflow as tf
 
 from grappler_ext import graph_edit
 from grappler_ext.graph_query import live_ops
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pattern import Any, Const, OneOf, Op, is_floating, match, static_shape
 from grappler_ext.pipeline import register_pass
 
@@ -259,6 +262,7 @@ class ReduceOfProduct(GraphPass):
     """See the module docstring.  ``gram_forms=True`` enables the sum-of-squares rules."""
 
     name = "reduce_of_product"
+    motive = Motive.MEMORY
 
     def __init__(self, gram_forms: bool = False):
         self.gram_forms = gram_forms

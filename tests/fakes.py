@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from grappler_ext import graph_edit
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
 
 
 def _output_sources(graph):
@@ -13,7 +13,14 @@ def _output_sources(graph):
     return [out.op.inputs[0] if out.op.type == "Identity" else out for out in graph.outputs]
 
 
-class CountingPass(GraphPass):
+class _FakePass(GraphPass):
+    """The fakes stand for passes in general, not for memory rewrites: the pipeline's memory guard
+    (which lets memory rewrites touch only programs over their limit) does not judge them."""
+
+    motive = Motive.FLOPS
+
+
+class CountingPass(_FakePass):
     """Changes nothing; records each graph it sees."""
 
     name = "counting"
@@ -28,7 +35,7 @@ class CountingPass(GraphPass):
         return result
 
 
-class ScaleOutputsPass(GraphPass):
+class ScaleOutputsPass(_FakePass):
     """Multiplies every floating output by ``factor``: a visible, checkable rewrite."""
 
     name = "scale_outputs"
@@ -54,7 +61,7 @@ class ScaleOutputsPass(GraphPass):
         return result
 
 
-class FailingPass(GraphPass):
+class FailingPass(_FakePass):
     """Rewrites like ScaleOutputsPass, then raises: the pipeline must undo the rewrite."""
 
     name = "failing"
@@ -64,7 +71,7 @@ class FailingPass(GraphPass):
         raise RuntimeError("deliberate failure")
 
 
-class LoopBuildingPass(GraphPass):
+class LoopBuildingPass(_FakePass):
     """Replaces each floating output ``y`` by ``y + 0`` computed in a tf.while_loop of 2 steps.
 
     Its loop bodies re-enter the hook while it runs: the hook must not rewrite them.
@@ -88,7 +95,7 @@ class LoopBuildingPass(GraphPass):
         return result
 
 
-class SilentEditPass(GraphPass):
+class SilentEditPass(_FakePass):
     """Edits the graph but reports no rewrite: the verifier must catch the lie."""
 
     name = "silent_edit"
@@ -103,7 +110,7 @@ class SilentEditPass(GraphPass):
 
 
 class FakeMeasurer:
-    """A splitter measurer (``grappler_ext.splitter.Measurer``) giving chosen figures: ``program``
+    """A splitter measurer (``grappler_ext.measure.Measurer``) giving chosen figures: ``program``
     (``graph -> bytes``) for whole programs and ``function`` (``(fn, specs) -> bytes``) for loops;
     XLA's own figure (``tf_memsafe.memory.XlaMeasurer``) for whichever is not given.  ``calls``
     lists the graphs whose figure was asked for."""

@@ -90,13 +90,18 @@ def _depth() -> int:
 
 
 def product_pipeline() -> Pipeline:
-    """The product's pipeline, composed: grappler_ext's passes, the splitter given XLA's figures
-    (:class:`tf_memsafe.memory.XlaMeasurer`).  Every pass holds only what it was built with, so one
+    """The product's pipeline, composed: grappler_ext's passes, the splitter and the pipeline's memory
+    guard given XLA's figures (:class:`tf_memsafe.memory.XlaMeasurer`).  Every pass holds only what it
+    was built with, so one
     pipeline serves every thread that traces."""
-    from grappler_ext.splitter import Splitter
+    from grappler_ext.guard import Guard
+    from grappler_ext.splitter import DEFAULT_TUNING, Splitter
     from tf_memsafe.memory import XlaMeasurer  # memory imports this module (hook.suspended)
 
-    return default_pipeline({"splitter": Splitter(measurer=XlaMeasurer())})
+    measurer = XlaMeasurer()
+    # The guard's margins are the splitter's: the two agree on what fits.
+    guard = Guard(measurer, trust=DEFAULT_TUNING.model_trust, check_from=DEFAULT_TUNING.check_from)
+    return default_pipeline({"splitter": Splitter(measurer=measurer)}, guard=guard)
 
 
 def _pipeline() -> Pipeline:

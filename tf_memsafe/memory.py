@@ -221,8 +221,9 @@ def graph_bytes(graph) -> int:
 
 
 class XlaMeasurer:
-    """XLA's figures for the splitter (:class:`grappler_ext.splitter.Measurer`): programs compiled with
-    tf_memsafe's hook suspended, never run, their "Total bytes used" read from XLA's report."""
+    """XLA's figures for the splitter and the pipeline's guard (:class:`grappler_ext.measure.Measurer`):
+    programs compiled with tf_memsafe's hook suspended, never run, their "Total bytes used" read from
+    XLA's report."""
 
     def program_bytes(self, graph) -> int:
         return graph_bytes(graph)

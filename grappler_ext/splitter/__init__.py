@@ -101,7 +101,7 @@ rewrite); model the layout copies XLA makes of a loop's whole inputs for the dot
 Pipeline position: last, after the rewrites that make regions cheaper (``pairwise_distance`` turns
 an [N, M, D] broadcast into an [N, M] matmul; the splitter then only has [N, M] to slice).
 Programs are checked and loops sized with XLA's figures only when the pass is given a
-:class:`~.measure.Measurer` (``tf_memsafe`` gives its own); without one, the memory model decides.
+:class:`~grappler_ext.measure.Measurer` (``tf_memsafe`` gives its own); without one, the memory model decides.
 
 The package, stage by stage (decisions travel as values: :mod:`.outcome`):
 
@@ -112,7 +112,6 @@ module              what it holds
 ``analysis``        roots, regions grown from them and why they stop, prologues (no mutation)
 ``policy``          chunk sizes, candidate ranking, chunks from measured figures (pure)
 ``tuning``          the margins, one frozen ``Tuning`` passed in
-``measure``         the ``Measurer`` protocol and XLA's figure as a value (``Figure``)
 ``mechanism``       a plan built into a loop and installed in place of its roots
 ``loop``            the ``tf.while_loop`` over slices and its recomputing gradient
 ``combiners``       how partial results of slices fold into the outputs, exactly
@@ -123,8 +122,8 @@ module              what it holds
 ==================  ==========================================================================
 """
 
+from grappler_ext.measure import Figure, Measurer
 from grappler_ext.splitter.driver import Splitter
-from grappler_ext.splitter.measure import Figure, Measurer
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 

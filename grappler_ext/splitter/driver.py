@@ -15,12 +15,12 @@ import warnings
 
 from grappler_ext import gradients, graph_edit, memory_model, shapes
 from grappler_ext.graph_query import live_ops, topological_order
+from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.op_types import nbytes
-from grappler_ext.pass_base import SKIPPED, GraphPass, PassOptions, PassResult
+from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules
 from grappler_ext.splitter.chunk_plan import ChunkPlan
-from grappler_ext.splitter.measure import Figure, Measurer, program_figure
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, LoopPlan, Sizing, Why
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
@@ -53,6 +53,7 @@ class Splitter(GraphPass):
     """
 
     name = "splitter"
+    motive = Motive.LIMIT
 
     def __init__(self, measurer: Measurer | None = None, tuning: Tuning = DEFAULT_TUNING):
         if measurer is not None and not isinstance(measurer, Measurer):

@@ -16,12 +16,12 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext import gradients, graph_edit, shapes
+from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
 from grappler_ext.splitter import combiners, rules, slicing
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, forward_program
-from grappler_ext.splitter.measure import Measurer
 
 __all__ = ["combined", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
 

@@ -41,8 +41,9 @@ reassociated.
 
 What it refuses (a falsy :class:`Refusal` with a one-line reason, never a guess):
 
-* an op type without a rule: "cannot split through `Cholesky`: no rule" (Cholesky, inverse and
-  determinant have none on purpose: every output element depends on the whole matrix);
+* an op type without a rule: "cannot split through `MatrixDeterminant`: no rule" (determinants,
+  QR, SVD and eigen-decompositions have none on purpose: every output element depends on the whole
+  matrix); ``Cholesky`` and ``MatrixInverse`` split along batch axes only, for the same reason;
 * stateful ops (random, variables, prints, asserts): run once per slice they would draw new
   numbers, print or check ``n`` times.  Random draws (dropout's mask) are the exception the user
   may allow (``Options.redraw_random``): each slice then draws its own values with a stateless
@@ -605,6 +606,16 @@ def _solve(op, output_index, axis):
         return Refusal(f"`{op.type}` couples the rows (axis {axis}) of its solution: not split")
     axes = _broadcast(op, axis, (0, 1))
     return axes if isinstance(axes, Refusal) else Propagation(axes, (axis,))
+
+
+# cholesky(x)[s:s+c, ..] = cholesky(x[s:s+c, ..])    batch axes: each matrix is factored (inverted)
+# on its own.  An entry of the factor or inverse depends on the whole matrix: its two axes are refused.
+@rule("Cholesky", "MatrixInverse")
+def _per_matrix(op, output_index, axis):
+    rank = op.outputs[0].shape.rank
+    if axis >= rank - 2:
+        return Refusal(f"`{op.type}` couples every entry of its matrix (axis {axis}): only its batch axes are split")
+    return Propagation((axis,), (axis,))
 
 
 # Diagonal ops, batch axes only: diag_part(x)[s:s+c, ..] = diag_part(x[s:s+c, ..]).  A diagonal

@@ -18,5 +18,11 @@ def test_quick_run_writes_csv_json_and_plot(tmp_path):
     assert by["knn_d64", "off"]["seconds"] == "" and int(by["knn_d64", "off"]["footprint_bytes"]) > 10**9
     assert int(by["knn_d64", "all"]["footprint_bytes"]) < 50 * 2**20 and by["knn_d64", "all"]["seconds"] != ""
     assert int(by["sgpr_naive_kernel", "only:pairwise_distance"]["rewrites"]) == 2
+    # No rewrite raised XLA's figure: every firing row is at most the program as written (issue 29).
+    for (workload, config), r in by.items():
+        assert int(r["limit_bytes"]) == int(by[workload, "off"]["footprint_bytes"]) // 2
+        if int(r["rewrites"]):
+            assert r["raised"] == "False"
+            assert int(r["footprint_bytes"]) <= int(by[workload, "off"]["footprint_bytes"]), (workload, config)
     assert json.loads((tmp_path / "bench_rewrites.json").read_text())["rows"]
     assert (tmp_path / "bench_rewrites.png").stat().st_size > 10_000

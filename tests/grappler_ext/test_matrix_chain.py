@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
-from grappler_ext.matrix_chain import MatrixChain, einsum_transposes
+from grappler_ext.matrix_chain import EinsumForm, MatrixChain, einsum_form, einsum_transposes
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.printer import assert_graph_text, format_graph
 from tf_memsafe import hook
@@ -109,6 +109,61 @@ class TestKernelSquaredTimesVector(FiringCase):
         %3 = MatMul f32[8,1] (%0, %2)
         %4 = Identity f32[8,1] (%3)
         return %4
+    """
+
+
+class TestEinsumMatrixVector(FiringCase):
+    """(A B) v spelled with einsums, 'ij,j->i' of 'ik,kj->ij' (issue 29): the vector is the column
+    [8, 1] to the cost model, built with an ExpandDims and the result's unit axis dropped.
+
+    Before: A B 2*8*3*8 = 384 FLOPs, [8, 8] = 256 B; (A B) v 2*8*8 = 128: 512 FLOPs.
+    After: B v 2*3*8 = 48, [3, 1] = 12 B; A (B v) 48: 96 FLOPs.
+    """
+
+    fn = staticmethod(lambda a, b, v: tf.einsum("ij,j->i", tf.einsum("ik,kj->ij", a, b), v))
+    specs = (S([8, 3]), S([3, 8]), S([8]))
+    flops, bytes = (512, 96), (256, 12)
+    golden = """
+        %0 = Placeholder f32[8,3] ()
+        %1 = Placeholder f32[3,8] ()
+        %2 = Placeholder f32[8] ()
+        %3 = Const i32[] = -1
+        %4 = ExpandDims f32[8,1] (%2, %3)
+        %5 = MatMul f32[3,1] (%1, %4)
+        %6 = MatMul f32[8,1] (%0, %5)
+        %7 = Const i32[1] = [8]
+        %8 = Reshape f32[8] (%6, %7)
+        %9 = Identity f32[8] (%8)
+        return %9
+    """
+
+
+class TestEinsumDotThroughATranspose(FiringCase):
+    """vᵀ (A B)ᵀ v: the dot 'i,i->' of v with 'ij,j->i' of tf.transpose(A @ B).  The Transpose op
+    flips the interior product's flag: vᵀ Bᵀ Aᵀ v, ordered (vᵀ Bᵀ)(Aᵀ v) with no [8, 8] product.
+
+    Before: A B 384 FLOPs, [8, 8] = 256 B; (A B)ᵀ v 128; vᵀ(..) 16: 528 FLOPs.
+    After: vᵀ Bᵀ 48, [1, 3]; Aᵀ v 48, [3, 1] = 12 B; their dot 6: 102 FLOPs.
+    """
+
+    fn = staticmethod(lambda a, b, v: tf.einsum("i,i->", v, tf.einsum("ij,j->i", tf.transpose(a @ b), v)))
+    specs = (S([8, 3]), S([3, 8]), S([8]))
+    flops, bytes = (528, 102), (256, 12)
+    golden = """
+        %0 = Placeholder f32[8,3] ()
+        %1 = Placeholder f32[3,8] ()
+        %2 = Placeholder f32[8] ()
+        %3 = Const i32[] = -1
+        %4 = ExpandDims f32[8,1] (%2, %3)
+        %5 = MatMul{transpose_a=true,transpose_b=true} f32[1,3] (%4, %1)
+        %6 = Const i32[] = -1
+        %7 = ExpandDims f32[8,1] (%2, %6)
+        %8 = MatMul{transpose_a=true} f32[3,1] (%0, %7)
+        %9 = MatMul f32[1,1] (%5, %8)
+        %10 = Const i32[0] = []
+        %11 = Reshape f32[] (%9, %10)
+        %12 = Identity f32[] (%11)
+        return %12
     """
 
 
@@ -331,7 +386,7 @@ class TestMustNotFire:
         """'ij,kj->ki' is (P c^T)^T: a matmul with a transposed output, which the pass does not read."""
         (rec,) = self.unchanged(lambda a, b, c: tf.einsum("ij,kj->ki", a @ b, c),
                                 S([8, 3]), S([3, 8]), S([1, 8]))
-        assert "Einsum 'ij,kj->ki') is not a plain matmul" in rec.reason
+        assert "Einsum 'ij,kj->ki') is not a product of matrices and vectors" in rec.reason
 
 
 @pytest.mark.parametrize("equation, flags", [
@@ -350,6 +405,26 @@ class TestMustNotFire:
 ])
 def test_einsum_transposes(equation, flags):
     assert einsum_transposes(equation) == flags
+
+
+@pytest.mark.parametrize("equation, form", [
+    ("ij,jk->ik", EinsumForm(False, (False, False), (False, False), "matrix")),
+    ("ij,j->i", EinsumForm(False, (False, False), (False, True), "vector")),
+    ("ji,j->i", EinsumForm(False, (True, False), (False, True), "vector")),
+    ("j,jk->k", EinsumForm(True, (True, False), (False, True), "vector")),     # Yᵀ x
+    ("j,kj->k", EinsumForm(True, (False, False), (False, True), "vector")),    # Y x
+    ("i,i->", EinsumForm(False, (True, False), (True, True), "scalar")),
+    ("bij,bj->bi", EinsumForm(False, (False, False), (False, True), "vector")),
+    ("...ij,...j->...i", EinsumForm(False, (False, False), (False, True), "vector")),
+    ("bj,bj->b", EinsumForm(False, (True, False), (True, True), "scalar")),
+    ("ij,k->ik", None),           # no contraction: an outer product
+    ("b,bi->bi", None),           # a scaling, not a product
+    ("ij,j->ji", None),           # a letter out of nowhere
+    ("ij,jk->ki", None),          # transposed output
+    ("bij,cj->bi", None),         # batch letters differ
+])
+def test_einsum_form(equation, form):
+    assert einsum_form(equation) == form
 
 
 def test_footprint_drops_without_the_n_by_n_intermediate():

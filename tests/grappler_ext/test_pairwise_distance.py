@@ -16,6 +16,8 @@ from grappler_ext.xla_facts import FUSED_REDUCTION_MAX
 from tf_memsafe import hook
 
 N, M, D = 30, 40, 64
+# A limit every program here is over: rewrites made for memory run only there (grappler_ext.guard).
+OVER = "1KB"
 TOL = {tf.float32: dict(rtol=1e-4, atol=1e-3), tf.float64: dict(rtol=1e-10, atol=1e-9)}
 
 SPELLINGS = {
@@ -68,7 +70,7 @@ def test_numerically_equal_forward_and_gradients(spelling, dtype, jit):
         return out, tape.gradient(loss, [xv, yv])
 
     expected, expected_grads = loss_and_grads(tf.function(fn, jit_compile=jit))
-    tf_memsafe.enable("1GB", strict=True, rewrite_non_jit=True)
+    tf_memsafe.enable(OVER, strict=True, rewrite_non_jit=True)
     with pipeline():
         got, got_grads = loss_and_grads(tf.function(fn, jit_compile=jit))
     assert len(rewritten_records()) == 1
@@ -78,7 +80,7 @@ def test_numerically_equal_forward_and_gradients(spelling, dtype, jit):
 
 
 def test_structure_matmul_replaces_the_broadcast():
-    tf_memsafe.enable("1GB")
+    tf_memsafe.enable(OVER)
     with pipeline():
         g = tf.function(SPELLINGS["square"], jit_compile=True).get_concrete_function(
             tf.TensorSpec([N, D]), tf.TensorSpec([M, D])).graph
@@ -92,7 +94,7 @@ def test_structure_matmul_replaces_the_broadcast():
 
 def test_a_tensor_against_itself_uses_one_norm():
     """|x_i - x_j|^2 = |x_i|^2 + |x_j|^2 - 2 x_i.x_j: one [N] norm vector serves both sides."""
-    tf_memsafe.enable("1GB")
+    tf_memsafe.enable(OVER)
     with pipeline():
         g = tf.function(SPELLINGS["self"], jit_compile=True).get_concrete_function(
             tf.TensorSpec([N, D]), tf.TensorSpec([M, D])).graph
@@ -105,7 +107,7 @@ def test_a_tensor_against_itself_uses_one_norm():
 
 def test_a_difference_scaled_afterwards_is_scaled_before():
     """((x - y) / s)^2 summed = |x/s - y/s|^2: the [D] scale moves onto the [N, D] and [M, D] operands."""
-    tf_memsafe.enable("1GB")
+    tf_memsafe.enable(OVER)
     with pipeline():
         g = tf.function(SPELLINGS["scaled_after_by_vector"], jit_compile=True).get_concrete_function(
             tf.TensorSpec([N, D]), tf.TensorSpec([M, D])).graph
@@ -115,7 +117,7 @@ def test_a_difference_scaled_afterwards_is_scaled_before():
 
 
 def test_idempotent():
-    tf_memsafe.enable("1GB")
+    tf_memsafe.enable(OVER)
     with pipeline():
         g = tf.function(SPELLINGS["pow"], jit_compile=True).get_concrete_function(
             tf.TensorSpec([N, D]), tf.TensorSpec([M, D])).graph
@@ -129,7 +131,7 @@ class TestMustNotFire:
     def unchanged(self, fn, *specs):
         """Trace ``fn`` with the pass; assert the graph is exactly what tracing without it gives."""
         plain = format_graph(tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph)
-        tf_memsafe.enable("1GB")
+        tf_memsafe.enable(OVER)
         with pipeline():
             g = tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph
         assert format_graph(g) == plain
@@ -168,7 +170,7 @@ class TestMustNotFire:
         fn = lambda x: tf.reduce_sum(tf.square(x[::-1, None] - x[None]), -1)
         x = inputs(tf.float64)[0]
         expected = tf.function(fn, jit_compile=True)(x)
-        tf_memsafe.enable("1GB")
+        tf_memsafe.enable(OVER)
         with pipeline():
             got = tf.function(fn, jit_compile=True)(x)
         (record,) = rewritten_records()
@@ -184,7 +186,7 @@ class TestMustNotFire:
 def test_footprint_drops_from_the_broadcast_to_the_matrix():
     fn = SPELLINGS["square"]
     specs = (tf.TensorSpec([300, D]), tf.TensorSpec([400, D]))
-    tf_memsafe.enable("1GB")
+    tf_memsafe.enable(OVER)
     before = tf_memsafe.memory_footprint(fn, *specs, rewrite=False)
     after = tf_memsafe.memory_footprint(fn, *specs)
     assert before >= 300 * 400 * D * 4
@@ -204,7 +206,7 @@ def test_tape_inside_the_function_gets_the_rewrite_and_its_gradients_rebuilt():
     rng = np.random.default_rng(0)
     x, y = tf.constant(rng.standard_normal((300, D))), tf.constant(rng.standard_normal((400, D)))
     expected = tf.function(step, jit_compile=True)(x, y)
-    tf_memsafe.enable("1GB", strict=True)
+    tf_memsafe.enable(OVER, strict=True)
     with pipeline():
         got = tf.function(step, jit_compile=True)(x, y)
         before = tf_memsafe.memory_footprint(step, x, y, rewrite=False)

@@ -27,6 +27,8 @@ from grappler_ext.reduce_of_product import (
 from tf_memsafe import hook
 
 N, J, M = 30, 5, 40
+# A limit every program here is over: rewrites made for memory run only there (grappler_ext.guard).
+OVER = "1KB"
 F32 = 4
 TOL = {tf.float32: 1e-4, tf.float64: 1e-10}
 
@@ -71,7 +73,7 @@ class _RewriteCase:
         return [tf.TensorSpec(s, dtype) for s in self.shapes]
 
     def trace(self):
-        tf_memsafe.enable("1GB", strict=True)
+        tf_memsafe.enable(OVER, strict=True)
         with pipeline(self.gram_forms):
             return tf.function(self.fn, jit_compile=True).get_concrete_function(*self.specs()).graph
 
@@ -107,7 +109,7 @@ class _RewriteCase:
             return out, tape.gradient(loss, variables)
 
         expected, expected_grads = value_and_grads(tf.function(self.fn, jit_compile=jit))
-        tf_memsafe.enable("1GB", strict=True, rewrite_non_jit=True)
+        tf_memsafe.enable(OVER, strict=True, rewrite_non_jit=True)
         with pipeline(self.gram_forms):
             got, got_grads = value_and_grads(tf.function(self.fn, jit_compile=jit))
         assert len(rewritten_records()) == 1
@@ -304,7 +306,7 @@ class TestTwoSitesInOneFunction:
         def fn(a, b, c):
             return tf.reduce_sum(a @ b, -1) + tf.linalg.trace(a @ c)
 
-        tf_memsafe.enable("1GB", strict=True)
+        tf_memsafe.enable(OVER, strict=True)
         with pipeline():
             g = tf.function(fn, jit_compile=True).get_concrete_function(
                 tf.TensorSpec([N, J]), tf.TensorSpec([J, M]), tf.TensorSpec([J, N])).graph
@@ -316,7 +318,7 @@ class TestMustNotFire:
     def unchanged(self, fn, *specs, gram_forms=True):
         """Trace ``fn`` with the pass; assert the graph is exactly what tracing without it gives."""
         plain = format_graph(tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph)
-        tf_memsafe.enable("1GB", strict=True)
+        tf_memsafe.enable(OVER, strict=True)
         with pipeline(gram_forms):
             g = tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph
         assert format_graph(g) == plain
@@ -450,7 +452,7 @@ class TestMemoryFootprint:
             "gram_last_axis": (lambda a, b: tf.reduce_sum(tf.square(a @ b), -1),
                                (tf.TensorSpec([n, j]), tf.TensorSpec([j, n]))),
         }[case]
-        tf_memsafe.enable("1GB")
+        tf_memsafe.enable(OVER)
         with pipeline(gram_forms=True):
             before = tf_memsafe.memory_footprint(fn, *specs, rewrite=False)
             after = tf_memsafe.memory_footprint(fn, *specs)
@@ -461,7 +463,7 @@ class TestMemoryFootprint:
     def test_never_worse_where_xla_already_fuses(self):
         fn = lambda a, b: tf.reduce_sum(a @ b, -1)
         specs = (tf.TensorSpec([self.BIG, 50]), tf.TensorSpec([50, self.BIG]))
-        tf_memsafe.enable("1GB")
+        tf_memsafe.enable(OVER)
         with pipeline():
             before = tf_memsafe.memory_footprint(fn, *specs, rewrite=False)
             after = tf_memsafe.memory_footprint(fn, *specs)
@@ -488,7 +490,7 @@ class TestGPflow:
     def losses(self, make_model):
         model = make_model()
         expected = tf.function(model.training_loss, jit_compile=True)()
-        tf_memsafe.enable("1GB", strict=True)
+        tf_memsafe.enable(OVER, strict=True)
         with pipeline(gram_forms=True):
             got = tf.function(model.training_loss, jit_compile=True)()
         return float(got), float(expected)

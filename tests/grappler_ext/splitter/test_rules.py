@@ -243,6 +243,9 @@ case("MatrixTriangularSolve", tf.linalg.triangular_solve, [_lower[0], _data([2, 
 case("MatrixSolve", lambda m, r: tf.linalg.solve(m, r, adjoint=True), [_lower + _lower.swapaxes(1, 2),
                                                                       _data([2, 4, 3], F64, 1)],
      refused={1: "couples the rows"})
+_spd = _lower @ _lower.swapaxes(1, 2)
+case("Cholesky", tf.linalg.cholesky, [_spd], refused={1: "couples every entry", 2: "couples every entry"})
+case("MatrixInverse", tf.linalg.inv, [_spd], refused={1: "couples every entry", 2: "couples every entry"})
 case("MatrixDiagPartV3", tf.linalg.diag_part, [_data([2, 4, 5], F32)], refused={1: "diagonal axis"})
 case("MatrixDiagPartV3", lambda x: tf.linalg.diag_part(x, k=(-1, 1)), [_data([2, 4, 5], F32)],
      refused={1: "diagonal axis", 2: "diagonal axis"}, id="MatrixDiagPartV3-band")
@@ -405,7 +408,7 @@ case("ReverseV2", lambda x: tf.reverse(x, [1]), _x3, refused={1: "reverses axis 
 
 # Contractions on a smaller operand may be blocked differently by the kernel.
 CONTRACTION_RTOL = {"MatMul": _MM, "BatchMatMulV2": _MM, "BatchMatMulV3": _MM, "BatchMatMul": 1e-12, "Einsum": _MM,
-                    "MatrixTriangularSolve": 1e-12, "MatrixSolve": 1e-12}
+                    "MatrixTriangularSolve": 1e-12, "MatrixSolve": 1e-12, "Cholesky": 1e-12, "MatrixInverse": 1e-12}
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
@@ -518,9 +521,8 @@ def test_a_reshape_maps_every_factor_it_can_and_only_those(before, after):
 
 
 @pytest.mark.parametrize("fn, op_type, spec", [
-    (tf.linalg.cholesky, "Cholesky", [4, 4]),
-    (tf.linalg.inv, "MatrixInverse", [2, 4, 4]),
     (tf.linalg.det, "MatrixDeterminant", [2, 4, 4]),
+    (lambda x: tf.linalg.qr(x)[0], "Qr", [2, 4, 4]),
 ])
 def test_no_rule(fn, op_type, spec):
     op = _op(fn, tf.TensorSpec(spec), op_type=op_type)
@@ -531,7 +533,8 @@ def test_no_rule(fn, op_type, spec):
 
 def test_cholesky_reason_is_exact():
     op = _op(tf.linalg.cholesky, tf.TensorSpec([4, 4]))
-    assert propagate(op, 0, 1) == Refusal("cannot split through `Cholesky`: no rule")
+    assert propagate(op, 0, 1) == Refusal("`Cholesky` couples every entry of its matrix (axis 1): only its batch "
+                                          "axes are split")
 
 
 @pytest.mark.parametrize("fn, op_type", [

@@ -6,7 +6,8 @@
 ``grappler_ext`` does not compile anything itself: ``tf_memsafe`` (the composition root, which owns
 ``XLA_FLAGS`` and so the reports XLA writes) builds the pipeline with its implementation
 (``tf_memsafe.memory.XlaMeasurer``), and tests pass a fake returning chosen figures.  A splitter
-built without a measurer plans by the memory model alone.
+built without a measurer plans by the memory model alone, and the pipeline's memory guard
+(:mod:`grappler_ext.guard`) then judges by the model alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import tensorflow as tf
+
+from grappler_ext import graph_edit, shapes
 
 __all__ = ["Measurer", "Figure", "program_figure"]
 
@@ -57,11 +60,27 @@ class Figure:
         return f"; not checked with XLA: {self.failure}" if self.failure else ""
 
 
+_MEMO = "_grappler_ext_figure"     # on a graph: (measurer, journal, version, nominal size, Figure) of its last measure
+
+
 def program_figure(measurer: Measurer | None, graph) -> Figure:
-    """XLA's figure for ``graph`` as it stands, by ``measurer`` (``Figure()`` without one)."""
+    """XLA's figure for ``graph`` as it stands, by ``measurer`` (``Figure()`` without one).
+
+    Within a journaled run (a pipeline's), a graph not edited since it was last measured by the same
+    measurer is not compiled again: the pipeline's guard and the splitter both ask for the program
+    as traced."""
     if measurer is None:
         return Figure()
+    journal = graph_edit.active_journal()
+    memo = getattr(graph, _MEMO, None)
+    size = shapes.nominal_size()
+    if (journal is not None and memo is not None and memo[0] is measurer and memo[1] is journal
+            and memo[2] == journal.version and memo[3] == size):
+        return memo[4]
     try:
-        return Figure(measurer.program_bytes(graph))
+        figure = Figure(measurer.program_bytes(graph))
     except Exception as e:  # noqa: BLE001 - the model's word stands; the record says why
-        return Figure(failure=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        figure = Figure(failure=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    if journal is not None:
+        setattr(graph, _MEMO, (measurer, journal, journal.version, size, figure))
+    return figure

@@ -1,0 +1,147 @@
+"""guard: a rewrite made for memory runs only over the limit, and stays only if the figure does not rise.
+
+    fits as traced         ->  the pass does not run:  "left alone: ... within the limit as traced"
+    figure after > before  ->  the pass's edits undone: "undone: XLA's figure rose from .. to .."
+
+The algebraic passes that exist to save bytes (``reduce_of_product``, ``pairwise_distance``: their
+``motive`` is :attr:`~grappler_ext.pass_base.Motive.MEMORY`) judge by their own count of the tensor
+they remove.  That count is not the program's: XLA:CPU already fuses a reduction of a dot into one
+kernel with no product buffer (measured on TF 2.21: ``sum(A @ B @ Aᵀ)`` at [4000, 300] is 4.92 MiB,
+its inputs, as written and as rewritten, while the pass counted 61 MiB -> 3.5 KiB), and the new form
+can hold more than the old (issue 29 measured +57 %).  A memory tool must never raise the
+footprint, and must leave a program that fits exactly as traced.  So the pipeline asks this guard,
+around every pass whose motive is memory:
+
+* **may it run?**  (:meth:`Guard.verdict`, once per pipeline run, on the program before the first
+  such pass)  Not where the program is within the limit: by the memory model, when it counts at
+  most ``trust`` of the limit; where it counts more than ``check_from`` of the limit (or cannot
+  count), XLA's figure decides if there is a measurer.  These are the splitter's own margins
+  (``grappler_ext.splitter.Tuning``), so the two never disagree on what fits.  Without a limit
+  (``memory_limit_bytes=None``) nothing is judged and the passes run.
+* **is it kept?**  (:meth:`Guard.compare`)  With a measurer, the program is compiled after the
+  pass and again before it (the pipeline undoes the pass's edits to measure, and runs it again to
+  keep it: passes are deterministic, and nothing is compiled when the pass changed nothing); a
+  figure that rose undoes it.  Without one (or where XLA cannot say), the memory model's counts
+  before and after decide the same way.
+
+The pipeline writes the records (in the pass's name, with :class:`Code`), so ``explain()`` says
+why a rewrite that could have fired did not.  Passes that cut FLOPs (``matrix_chain``) or compile
+time (``constant_cumsum``) are not guarded: they pay off within the limit too.  The splitter
+judges its own plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from grappler_ext import memory_model
+from grappler_ext.measure import Figure, Measurer, program_figure
+
+__all__ = ["Code", "Guard", "Verdict", "Standing"]
+
+
+class Code(enum.Enum):
+    """What the guard decided, on the records it makes."""
+
+    FITS = "fits_as_traced"          # within the limit as traced: memory rewrites left alone
+    ROSE = "figure_rose"             # the program's figure rose with the rewrite: undone
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """A program's figures at one point: the memory model's count (``None`` where it cannot count)
+    and XLA's figure (``Figure()`` where not asked)."""
+
+    model: int | None
+    xla: Figure = Figure()
+
+    def said(self) -> str:
+        """The figures as a record shows them."""
+        parts = []
+        if self.xla.known:
+            parts.append(f"XLA's figure {self.xla.bytes:,} B")
+        if self.model is not None:
+            parts.append(f"the memory model's {self.model:,} B")
+        return ", ".join(parts) or "no figure"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether memory rewrites may run on a program: ``fits`` (they may not) and the one-line why."""
+
+    fits: bool
+    reason: str
+
+
+class Guard:
+    """The pipeline's memory guard (see the module docstring).
+
+    Args:
+      measurer: XLA's figures (``tf_memsafe`` gives its own); ``None``: the memory model alone.
+      trust: the model's count at or below ``trust`` x the limit is taken as within it ...
+      check_from: ... without compiling, when it is also below ``check_from`` x the limit.
+    """
+
+    def __init__(self, measurer: Measurer | None = None, trust: float = 0.8, check_from: float = 0.3):
+        if not 0 < check_from <= trust <= 1:
+            raise ValueError(f"need 0 < check_from <= trust <= 1, got check_from={check_from}, trust={trust}")
+        self.measurer = measurer
+        self.trust = trust
+        self.check_from = check_from
+
+    def _checker(self, options) -> Measurer | None:
+        return self.measurer if getattr(options, "check_programs", True) else None
+
+    @staticmethod
+    def model_bytes(graph) -> int | None:
+        """The memory model's count of ``graph`` (``None`` where an op has no rule or a shape is
+        known only at run time)."""
+        est, _ = memory_model.analyse(graph)
+        return None if est.dynamic_tensors else est.peak_bytes
+
+    def verdict(self, graph, options) -> Verdict | None:
+        """Whether ``graph`` fits its limit as it stands; ``None`` where nothing can be judged (no
+        limit; no count from the model and no figure from XLA)."""
+        limit = options.memory_limit_bytes
+        if limit is None:
+            return None
+        model = self.model_bytes(graph)
+        if model is not None and model > self.trust * limit:
+            return Verdict(False, f"the memory model counts {model:,} B, over {self.trust:g} x the limit of "
+                                  f"{limit:,} B")
+        checker = self._checker(options)
+        if model is not None and (model < self.check_from * limit or checker is None):
+            return Verdict(True, f"about {model:,} B of {limit:,} B by the memory model")
+        figure = program_figure(checker, graph)
+        if not figure.known:
+            if model is None:
+                return None
+            return Verdict(True, f"about {model:,} B of {limit:,} B by the memory model{figure.note()}")
+        counted = "" if model is None else f" (the memory model: {model:,} B)"
+        if figure.bytes > limit:
+            return Verdict(False, f"XLA's figure is {figure.bytes:,} B, over the limit of {limit:,} B{counted}")
+        return Verdict(True, f"XLA's figure is {figure.bytes:,} B of {limit:,} B{counted}")
+
+    def measures(self, options) -> bool:
+        """Whether :meth:`standing` compiles (so the pipeline must undo a pass to measure before it)."""
+        return self._checker(options) is not None
+
+    def standing(self, graph, options) -> Standing:
+        """``graph``'s figures as it stands: the model's count, and XLA's where it measures."""
+        return Standing(self.model_bytes(graph), program_figure(self._checker(options), graph))
+
+    @staticmethod
+    def compare(before: Standing, after: Standing) -> str | None:
+        """Why the program is worse after than before (one line), or ``None`` where it is not: XLA's
+        figures where both are known, else the model's where both are."""
+        if before.xla.known and after.xla.known:
+            if after.xla.bytes > before.xla.bytes:
+                counted = ("" if before.model is None or after.model is None else
+                           f" (the memory model counted {before.model:,} -> {after.model:,} B)")
+                return (f"XLA's figure for the program rose from {before.xla.bytes:,} B to {after.xla.bytes:,} B"
+                        f"{counted}")
+            return None
+        if before.model is not None and after.model is not None and after.model > before.model:
+            return f"the memory model's count of the program rose from {before.model:,} B to {after.model:,} B"
+        return None

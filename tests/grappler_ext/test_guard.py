@@ -1,0 +1,186 @@
+"""The pipeline's memory guard: rewrites made for memory never touch a program within its limit, and
+are undone where the program's figure rises with them (issue 29)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext import graph_edit
+from grappler_ext.guard import Code, Guard, Standing
+from grappler_ext.matrix_chain import MatrixChain
+from grappler_ext.measure import Figure
+from grappler_ext.pass_base import GraphPass, Motive, PassResult
+from grappler_ext.pipeline import Pipeline
+from grappler_ext.printer import format_graph
+from grappler_ext.reduce_of_product import ReduceOfProduct
+from grappler_ext.splitter import Splitter
+from tests.fakes import FakeMeasurer
+from tf_memsafe import hook
+from tf_memsafe.config import make_options
+
+A, B = [400, 30], [30, 400]          # sum(A @ B): reduce_of_product's case, a [400, 400] product
+
+
+def sum_of_product(a, b):
+    return tf.reduce_sum(a @ b)
+
+
+def trace(fn, *shapes):
+    return tf.function(fn, jit_compile=True).get_concrete_function(
+        *[tf.TensorSpec(s, tf.float32) for s in shapes]).graph
+
+
+def generated(graph, name: str) -> bool:
+    """Whether ``graph`` computes anything a pass named ``name`` built."""
+    from grappler_ext.graph_query import live_ops
+
+    return any(op.name.startswith(f"{graph_edit.GENERATED_SCOPE}/{name}/") for op in live_ops(graph))
+
+
+def test_a_program_within_its_limit_is_left_exactly_as_traced():
+    """The issue's case: a 64 x 64 program with a user's custom gradient, 98 kB under 1 GB, was
+    "rewritten" by reduce_of_product and ran slower.  Now: the graph as traced, and one record per
+    memory pass saying why, with the product's guard (XLA's figure where the model is unsure)."""
+    @tf.custom_gradient
+    def scale(x):
+        return 2.0 * x, lambda dy: 2.0 * dy
+
+    def fn(a, b):
+        return tf.reduce_sum(scale(a) @ b)
+
+    as_traced = format_graph(trace(fn, [64, 64], [64, 64]))
+    tf_memsafe.enable("1GB", strict=True)
+    g = trace(fn, [64, 64], [64, 64])
+    assert format_graph(g) == as_traced
+    (report,) = [r for r in tf_memsafe.reports() if r.function_name == g.name]
+    assert report.status == "unchanged"
+    fits = {r.pass_name: r for r in report.records if r.code is Code.FITS}
+    assert set(fits) == {"pairwise_distance", "reduce_of_product"}
+    assert "within its limit as traced" in fits["reduce_of_product"].reason
+    assert "of 1,000,000,000 B by the memory model" in fits["reduce_of_product"].reason
+
+
+def test_within_the_limit_a_flop_cutting_reorder_still_runs():
+    """matrix_chain cuts FLOPs (its motive): it is not the guard's to stop."""
+    log = []
+
+    class Spy(ReduceOfProduct):
+        def run(self, graph, options):
+            log.append("ran")
+            return super().run(graph, options)
+
+    g = trace(lambda a, b, c: tf.reduce_sum(a @ b @ c), [300, 20], [20, 300], [300, 20])
+    result = Pipeline([Spy(), MatrixChain()]).run(g, make_options(memory_limit_bytes=10**9))
+    assert log == []
+    assert [r.pass_name for r in result.records if r.action == "rewritten"] == ["matrix_chain"]
+
+
+def test_over_the_limit_a_rewrite_that_lowers_the_figure_is_kept():
+    measurer = FakeMeasurer(program=lambda g: 100 if generated(g, "reduce_of_product") else 200)
+    g = trace(sum_of_product, A, B)
+    result = Pipeline([ReduceOfProduct()], guard=Guard(measurer)).run(g, make_options(memory_limit_bytes=1000))
+    (record,) = result.records
+    assert record.action == "rewritten" and record.pass_name == "reduce_of_product"
+    assert generated(g, "reduce_of_product")
+    # Compiled after the pass, then before it (its edits undone to measure), then run again: kept.
+    assert len(measurer.calls) == 2
+
+
+def test_over_the_limit_a_rewrite_that_raises_xlas_figure_is_undone():
+    """The issue's case, as XLA measured it: the pass's own count falls (a [400, 400] product gone)
+    while the program's figure rises.  The graph is as traced, and the record gives both figures."""
+    measurer = FakeMeasurer(program=lambda g: 300 if generated(g, "reduce_of_product") else 200)
+    as_traced = format_graph(trace(sum_of_product, A, B))
+    g = trace(sum_of_product, A, B)
+    result = Pipeline([ReduceOfProduct()], guard=Guard(measurer)).run(g, make_options(memory_limit_bytes=1000))
+    assert not result.changed
+    assert format_graph(g) == as_traced
+    (record,) = result.records
+    assert record.code is Code.ROSE and record.pass_name == "reduce_of_product"
+    assert record.reason.startswith("undone: XLA's figure for the program rose from 200 B to 300 B")
+    assert "sum(A @ B)" in record.reason and record.ops
+
+
+class _Bloat(GraphPass):
+    """A memory pass that makes the program hold a [500, 500] random tensor more (by the model)."""
+
+    name = "bloat"
+    motive = Motive.MEMORY
+
+    def run(self, graph, options):
+        result = PassResult(self.name)
+        out = graph.outputs[0]
+        with graph_edit.building(graph, self.name):
+            noise = tf.reduce_sum(tf.random.stateless_uniform([500, 500], seed=[1, 2]))
+            graph_edit.replace_uses(out, out + 0.0 * noise)
+        result.rewrote([out.op.name], "pretends to save memory")
+        return result
+
+
+def test_without_a_measurer_the_memory_models_rise_undoes_it():
+    g = trace(lambda x: tf.exp(x) * 2.0, [100])
+    as_traced = format_graph(g)
+    result = Pipeline([_Bloat()]).run(g, make_options(memory_limit_bytes=100, verify=True))
+    assert format_graph(g) == as_traced
+    (record,) = result.records
+    assert record.code is Code.ROSE and "the memory model's count of the program rose from" in record.reason
+
+
+def test_a_motive_other_than_memory_is_not_guarded():
+    class Unguarded(_Bloat):
+        motive = Motive.FLOPS
+
+    g = trace(lambda x: tf.exp(x) * 2.0, [100])
+    result = Pipeline([Unguarded()]).run(g, make_options(memory_limit_bytes=100))
+    assert result.changed
+
+
+def test_without_a_limit_nothing_is_judged_as_fitting():
+    g = trace(sum_of_product, A, B)
+    result = Pipeline([ReduceOfProduct()]).run(g, make_options(memory_limit_bytes=None, memory_limit_fraction=0.8))
+    assert result.changed
+
+
+@pytest.mark.parametrize("figure, fits", [(90, True), (110, False)])
+def test_in_the_check_band_xlas_figure_decides(figure, fits):
+    g = trace(sum_of_product, A, B)
+    model = Guard.model_bytes(g)
+    limit = int(model / 0.5)                       # the model's count at half the limit: checked
+    measurer = FakeMeasurer(program=lambda _: figure * limit // 100)
+    verdict = Guard(measurer).verdict(g, make_options(memory_limit_bytes=limit))
+    assert verdict.fits is fits and "XLA's figure is" in verdict.reason
+    assert len(measurer.calls) == 1
+    # Far below the limit, or over trust x it, the model decides alone.
+    assert Guard(measurer).verdict(g, make_options(memory_limit_bytes=model * 10)).fits
+    assert not Guard(measurer).verdict(g, make_options(memory_limit_bytes=model)).fits
+    assert len(measurer.calls) == 1
+
+
+def test_the_guard_and_the_splitter_share_one_compile_of_the_program_as_traced():
+    g = trace(sum_of_product, A, B)
+    limit = int(Guard.model_bytes(g) / 0.5)
+    measurer = FakeMeasurer(program=lambda _: limit // 2)
+    pipeline = Pipeline([ReduceOfProduct(), Splitter(measurer=measurer)], guard=Guard(measurer))
+    result = pipeline.run(g, make_options(memory_limit_bytes=limit))
+    assert not result.changed
+    assert len(measurer.calls) == 1
+
+
+def test_compare_prefers_xlas_figures_then_the_models():
+    assert Guard.compare(Standing(10, Figure(100)), Standing(1, Figure(101))).startswith("XLA's figure")
+    assert Guard.compare(Standing(1, Figure(100)), Standing(10, Figure(100))) is None
+    assert Guard.compare(Standing(1), Standing(2)).startswith("the memory model's count")
+    assert Guard.compare(Standing(None), Standing(2)) is None
+    with pytest.raises(ValueError, match="check_from"):
+        Guard(trust=0.2, check_from=0.5)
+
+
+def test_values_are_those_of_the_program_as_traced_either_way():
+    a, b = (tf.constant(np.random.default_rng(0).standard_normal(s), tf.float32) for s in (A, B))
+    expected = sum_of_product(a, b).numpy()
+    for limit in ("1KB", "1GB"):
+        tf_memsafe.enable(limit)
+        with hook.use_pipeline(Pipeline([ReduceOfProduct()])):
+            got = tf.function(sum_of_product, jit_compile=True)(a, b).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-4)
