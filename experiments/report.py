@@ -275,6 +275,21 @@ def dynamic_lines(data: dict) -> list[str]:
             *md_table(["workload", "n", "method", "XLA", "first call", "median", "/ static", "rel. diff"], body)]
 
 
+def gpr_lines(data: dict) -> list[str]:
+    from experiments import gpr
+
+    rows = [gpr.Row(**r) for r in data["rows"]]
+    body = [[r.workload, f"{r.n:,}", f"{r.t:,}" if r.t else "-", r.kind, m.fmt_bytes(r.naive_bytes),
+             m.fmt_bytes(r.limit_bytes), m.fmt_bytes(r.tfms_bytes), "yes" if r.within_limit else "**NO**",
+             seconds(r.rewrite_s), r.status, m.num(r.max_rel_diff, ".1e")] for r in rows]
+    return [f"Each program under its figure as written / {data.get('divisor')}: XLA's footprint (compiled; "
+            "`footprint` rows are not run), the time to trace, rewrite and compile it, and (`check` rows, both run) "
+            "the largest difference over the largest magnitude against the unsplit program. `t`: test points "
+            "(predict) or right-hand sides (solve).", "",
+            *md_table(["workload", "N", "t", "kind", "naive", "limit", "tf_memsafe", "within", "rewrite",
+                       "status", "rel. diff"], body)]
+
+
 def compile_time_lines(data: dict) -> list[str]:
     from experiments import compile_time
 
@@ -350,6 +365,11 @@ EXPERIMENTS = (
                "A function whose first dimension is known only at run time (`input_signature` with `None`), split "
                "along it with one rewrite, against a trace per static shape: footprints within the limit, time, "
                "first calls.", dynamic_lines),
+    Experiment("gpr", "GPflow GPR", "experiments.gpr", "gpr",
+               "GPflow's GPR, unchanged, under limits 8x below its naive figure: predictions over many test points "
+               "and triangular solves with many right-hand sides (split along them, the Cholesky factor read "
+               "whole), and the training loss with its gradients (whose [N, N] Cholesky factor is a floor).",
+               gpr_lines),
     Experiment("compile_time", "Compile time of causal masks", "experiments.compile_time", "compile_time",
                "First calls of Keras attention layers whose causal masks are running sums of ones (Keras 3's "
                "`MultiHeadAttention` with dropout, tf_keras' `Attention`): XLA folds those scans at compile time; "
