@@ -44,10 +44,14 @@ The reorder rule (:func:`choose_order`), given the order the program wrote:
 
 1. ``best`` is the order with the fewest FLOPs among those whose largest intermediate is no larger
    than the written order's (the capped programme; the written order is one of them, so it exists);
-2. reorder if and only if ``best`` needs strictly fewer FLOPs than the written order.
+2. reorder if and only if ``best`` needs at most ``1 / FLOP_MARGIN`` of the written order's FLOPs
+   (:data:`FLOP_MARGIN` = 1.5: a third fewer at least).
 
 So a proposed reorder never raises the largest intermediate, and an order with equal FLOPs is never
-proposed, even with smaller intermediates: rounding would change for no proven compute gain.  When
+proposed, even with smaller intermediates: rounding would change for no proven compute gain.  The
+margin is that proof: the pass runs whether or not the program fits its limit (issue 29: a program
+within its limit is left as traced unless a rewrite saves time), and a few percent fewer FLOPs can
+be lost to kernels that are less efficient on the new shapes.  When
 the unconstrained optimum is cheaper but would need a larger intermediate, the decision says so.
 """
 
@@ -58,10 +62,12 @@ import math
 import operator
 from collections.abc import Sequence
 
-__all__ = ["Tree", "Plan", "Decision", "left_to_right", "right_to_left", "leaves", "format_tree",
+__all__ = ["Tree", "FLOP_MARGIN", "Plan", "Decision", "left_to_right", "right_to_left", "leaves", "format_tree",
            "cost_of", "optimal_order", "choose_order"]
 
 Tree = int | tuple["Tree", "Tree"]  # a leaf index, or (left, right)
+
+FLOP_MARGIN = 1.5   # a reorder must divide the written order's FLOPs by at least this much
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +246,15 @@ def choose_order(dims: Sequence[int], current: Tree, batch: int | Sequence[int] 
     unconstrained = optimal_order(dims, batch, itemsize)
     # The written order keeps within its own peak, so the capped programme always has an answer.
     best = optimal_order(dims, batch, itemsize, max_intermediate_bytes=now.peak_intermediate_bytes)
-    # Rule: reorder iff strictly fewer FLOPs without a larger largest intermediate.
-    if best.flops < now.flops:
+    # Rule: reorder iff FLOP_MARGIN times fewer FLOPs without a larger largest intermediate.
+    if best.flops * FLOP_MARGIN <= now.flops:
         reason = (f"{format_tree(now.tree)} -> {format_tree(best.tree)}: {now.flops:,} -> {best.flops:,} FLOPs, "
                   f"largest intermediate {now.peak_intermediate_bytes:,} -> {best.peak_intermediate_bytes:,} B")
         return Decision(now, best, unconstrained, True, reason)
+    if best.flops < now.flops:
+        reason = (f"{format_tree(best.tree)} needs {best.flops:,} FLOPs against {now.flops:,}: less than "
+                  f"{FLOP_MARGIN:g} x fewer, left as written")
+        return Decision(now, best, unconstrained, False, reason)
     if unconstrained.flops < now.flops:
         reason = (f"{format_tree(unconstrained.tree)} needs fewer FLOPs ({unconstrained.flops:,} < {now.flops:,}) "
                   f"but a larger intermediate ({unconstrained.peak_intermediate_bytes:,} > "

@@ -36,9 +36,10 @@ When it applies:
   the function to keep the chain whole); the backward products form chains of their own, which
   the pass treats like any other (``(dy c^T) B^T  =>  dy (c^T B^T)``).  Rebuilt products drop
   ``MatMul``'s ``grad_a``/``grad_b`` hints, which do not change values;
-* the cost model proves a strict FLOP gain without a larger largest intermediate (the rule in
-  :mod:`grappler_ext.chain_order`).  Otherwise the record says "already optimal order", or which
-  cheaper order was refused for its intermediate.
+* the cost model proves a FLOP gain of at least ``FLOP_MARGIN`` (1.5x) without a larger largest
+  intermediate (the rule in :mod:`grappler_ext.chain_order`).  Otherwise the record says "already
+  optimal order", which cheaper order was refused for its intermediate, or that the gain is below
+  the margin.
 
 Why it is safe, and what changes numerically:
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grappler_ext.chain_order import (
+    FLOP_MARGIN,
     Plan,
     choose_order,
     cost_of,
@@ -169,7 +170,7 @@ class TestAgainstBruteForce:
 
 
 class TestReorderRule:
-    """The rule: reorder iff strictly fewer FLOPs without a larger largest intermediate."""
+    """The rule: reorder iff FLOP_MARGIN times fewer FLOPs without a larger largest intermediate."""
 
     @PROPERTY
     @given(chains, batches, st.data())
@@ -179,8 +180,16 @@ class TestReorderRule:
         assert d.current == cost_of(current, dims, batch=batch)
         assert d.best.flops <= d.current.flops
         assert d.best.peak_intermediate_bytes <= d.current.peak_intermediate_bytes
-        assert d.reorder == (d.best.flops < d.current.flops)
+        assert d.reorder == (d.best.flops * FLOP_MARGIN <= d.current.flops)
         assert d.unconstrained.flops == brute_best(dims, batch)[0] <= d.best.flops
+
+    def test_a_gain_below_the_margin_is_left_as_written(self):
+        """d = [10, 10, 10, 12]: (A0 A1) A2 costs 2 (1,000 + 1,200) = 4,400 FLOPs; A0 (A1 A2)
+        2 (1,200 + 1,200) = 4,800.  Written the other way, A0 (A1 A2), the cheaper order saves 8 %:
+        below the margin, so the rounding stays as written."""
+        d = choose_order([10, 10, 10, 12], (0, (1, 2)))
+        assert not d.reorder and (d.current.flops, d.best.flops) == (4_800, 4_400)
+        assert d.reason == "((0 1) 2) needs 4,400 FLOPs against 4,800: less than 1.5 x fewer, left as written"
 
     def test_low_rank_times_vector(self):
         """(A B) v, A [2000, 10], B [10, 2000], v [2000, 1].  Written: A B costs 2*2000*10*2000 =
@@ -209,13 +218,14 @@ class TestReorderRule:
         Unconstrained (A0 ((A1 A2) A3)): A1 A2 8 ([1, 2], 8 B), times A3 20 ([1, 5], 20 B), A0 times
         that 20: 48 FLOPs, but 20 B > 16 B.
         Capped ((A0 (A1 A2)) A3): A1 A2 8 ([1, 2]), A0 times that 8 ([2, 2], 16 B), times A3 40:
-        56 FLOPs within 16 B, cheaper than 64: chosen.
+        56 FLOPs within 16 B, cheaper than 64: the best within the cap (not taken: 64 / 56 is below
+        FLOP_MARGIN).
         """
         d = choose_order([2, 1, 2, 2, 5], left_to_right(4))
         assert (d.current.flops, d.current.peak_intermediate_bytes) == (64, 16)
         assert (d.unconstrained.tree, d.unconstrained.flops, d.unconstrained.peak_intermediate_bytes) == (
             (0, ((1, 2), 3)), 48, 20)
-        assert d.reorder and d.best.tree == ((0, (1, 2)), 3)
+        assert d.best.tree == ((0, (1, 2)), 3) and not d.reorder
         assert (d.best.flops, d.best.peak_intermediate_bytes) == (56, 16)
 
 
