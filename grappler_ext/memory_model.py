@@ -69,6 +69,7 @@ from grappler_ext.memory_rules import (  # the public names are re-exported: cal
     Rule,
     _elements,
     _static_nbytes,
+    dot_fused_into,
     merged_into,
     reduction_plan,
 )
@@ -336,6 +337,11 @@ class _Analysis:
         if rule.kind is Kind.STATIC:
             return self._info(t, False, "no runtime data")
         if rule.kind is Kind.LIBRARY:
+            into = dot_fused_into(op, self)
+            if into is not None:
+                self.fused_roots[t.name] = self._roots(into)
+                return self._info(t, False, f"fused with `{into.type}` ({into.name}): XLA:CPU runs a float32 dot "
+                                            "and its reduction as one YNNPACK fusion")
             return self._info(t, True, f"`{op.type}` kernel output")
         if rule.kind is Kind.REDUCE:
             outer = merged_into(op, self)

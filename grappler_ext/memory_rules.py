@@ -23,7 +23,13 @@ import tensorflow as tf
 
 from grappler_ext import folding, shapes
 from grappler_ext.op_types import ARG_REDUCTIONS, MATMULS, reserve_space
-from grappler_ext.xla_facts import FUSED_REDUCTION_MAX, MATVEC_FUSION_MAX_BYTES, YNN_DTYPES, YNN_REDUCTIONS
+from grappler_ext.xla_facts import (
+    FUSED_REDUCTION_MAX,
+    MATVEC_FUSION_MAX_BYTES,
+    YNN_DOT_REDUCTIONS,
+    YNN_DTYPES,
+    YNN_REDUCTIONS,
+)
 
 __all__ = [
     "Kind",
@@ -180,6 +186,19 @@ def merged_into(op: tf.Operation, ctx) -> tf.Operation | None:
     if reader.type != op.type or index != 0 or reader.inputs[0].shape != op.outputs[0].shape:
         return None
     return reader
+
+
+def dot_fused_into(op: tf.Operation, ctx) -> tf.Operation | None:
+    """The reduction a float32 ``MatMul`` is fused with (YNNPACK: :data:`YNN_DOT_REDUCTIONS`), its
+    only reader, so that the product is never in memory; ``None`` where the product is materialised."""
+    if op.type != "MatMul" or op.outputs[0].dtype != tf.float32 or op.get_attr("transpose_a"):
+        return None
+    if ctx.is_output(op.outputs[0]):
+        return None
+    readers = ctx.readers(op.outputs[0])
+    if len(readers) != 1 or readers[0][1] != 0 or readers[0][0].type not in YNN_DOT_REDUCTIONS:
+        return None
+    return readers[0][0]
 
 
 def _reduced_operand(op: tf.Operation, ctx) -> tuple[tf.Tensor, set[int]] | None:
