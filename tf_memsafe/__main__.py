@@ -164,6 +164,7 @@ def _summary(traces: Sequence[TraceReport], explain: bool, modules: Sequence[tup
             before = f"model {format_bytes(t.model_before_bytes)}" if t.model_before_bytes is not None else "model ?"
             row.append(f"{before} -> {_measured(t, seen[t.function_name], programs)}")
             seen[t.function_name] += 1
+        row.append("-" if t.rewrite_seconds is None else f"passes {t.rewrite_seconds:.2f} s")
         rows.append((*row, detail))
     for t, line in zip(traces, align_columns(rows)):
         lines.append("  " + line)

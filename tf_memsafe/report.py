@@ -19,6 +19,7 @@ glance, ``report.to_dict()`` plain JSON-ready data.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from grappler_ext.pass_base import Record
@@ -45,6 +46,10 @@ class Report:
         ``"failed"`` (see :class:`~tf_memsafe.hook.TraceReport`).
       reason: one line saying why, for every status but ``"rewritten"``.
       records: every pass's records for the trace, in the order the passes ran.
+      compile_before_seconds, compile_after_seconds: the time to trace and compile (not run) the
+        function as written and with the rewrites (the second includes the passes).
+      rewrite_seconds: of that second figure, the time the passes took (with the programs they had
+        XLA compile to measure).
     """
 
     function_name: str
@@ -54,6 +59,9 @@ class Report:
     status: str
     reason: str = ""
     records: tuple[Record, ...] = ()
+    compile_before_seconds: float | None = None
+    compile_after_seconds: float | None = None
+    rewrite_seconds: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "records", tuple(self.records))
@@ -95,6 +103,10 @@ class Report:
             f"  footprint  {format_bytes(before)} -> {format_bytes(after)}   {verdict}",
             f"  status     {status}",
         ]
+        if self.compile_before_seconds is not None and self.compile_after_seconds is not None:
+            passes = "" if self.rewrite_seconds is None else f" (the passes {self.rewrite_seconds:.2f} s)"
+            lines.append(f"  time       trace + compile {self.compile_before_seconds:.2f} s as written, "
+                         f"{self.compile_after_seconds:.2f} s rewritten{passes}; nothing run")
         lines += ["  " + line for line in format_records(self.records)]
         return "\n".join(lines)
 
@@ -155,11 +167,15 @@ def explain(fn, *args, **kwargs) -> Report:
     traced.  With ``strict=True`` a failing pass raises :class:`~tf_memsafe.errors.RewriteError`.
     """
     _fresh_function(fn)  # reject a non-callable before compiling anything
+    start = time.perf_counter()
     before = memory_footprint(fn, *args, rewrite=False, **kwargs)
+    middle = time.perf_counter()
     mark = hook.report_mark()
     with hook.active_in_this_thread():
         after = memory_footprint(fn, *args, rewrite=True, **kwargs)
+    end = time.perf_counter()
     traces = hook.reports_since(mark)
+    timed = [t.rewrite_seconds for t in traces if t.rewrite_seconds is not None]
     records = tuple(rec for t in traces for rec in t.records)
     # The function's own trace comes first; functions it calls may add more.
     failed = [t for t in traces if t.status == "failed"]
@@ -174,4 +190,5 @@ def explain(fn, *args, **kwargs) -> Report:
     limit = next((t.memory_limit_bytes for t in traces if t.memory_limit_bytes is not None), None)
     if limit is None:
         limit = hook.limit_bytes(config.current())
-    return Report(_function_name(fn), limit, before, after, status, reason, records)
+    return Report(_function_name(fn), limit, before, after, status, reason, records, middle - start, end - middle,
+                  sum(timed) if timed else None)

@@ -35,6 +35,7 @@ class TestWhichTracesAreRewritten:
         assert report.status == "rewritten" and report.xla_compiled
         assert report.memory_limit_bytes == 10**9
         assert [r.pass_name for r in report.records] == ["scale_outputs"]
+        assert isinstance(report.rewrite_seconds, float) and report.rewrite_seconds >= 0
 
     def test_non_jit_function_is_left_alone_by_default(self):
         tf_memsafe.enable("1GB")

@@ -73,6 +73,12 @@ class TestGoldenText:
         rec = Record("p", "rewritten", (), "r", bytes_before=2048)
         assert format_records([rec])[1] == "p     rewritten  2 KiB -> ?             -    r"
 
+    def test_the_time_line_says_what_was_timed(self):
+        report = Report("f", 100, 10, 10, "unchanged", "", (), 0.5, 2.25, 1.5)
+        assert str(report).splitlines()[3] == ("  time       trace + compile 0.50 s as written, 2.25 s rewritten "
+                                               "(the passes 1.50 s); nothing run")
+        assert Report.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
     def test_lines_have_no_trailing_spaces(self):
         report = Report("f", 100, 10, 10, "unchanged", "", (Record("p", "skipped", ("a",), ""),))
         assert all(line == line.rstrip() for line in str(report).splitlines())
@@ -106,6 +112,10 @@ class TestExplain:
         assert [(r.pass_name, r.action) for r in report.records] == [("scale_outputs", "rewritten")]
         assert "scale_outputs  rewritten" in str(report)
         json.dumps(report.to_dict())
+        # Issue 30: the first call's parts, measured (trace + compile each way; the passes' share).
+        assert report.compile_before_seconds > 0 and report.compile_after_seconds > 0
+        assert 0 <= report.rewrite_seconds <= report.compile_after_seconds
+        assert "  time       trace + compile " in str(report)
 
     def test_tf_function_is_not_traced_and_options_scope_applies(self):
         f = tf.function(square_plus, jit_compile=True)
