@@ -38,7 +38,7 @@ import enum
 from grappler_ext import memory_model
 from grappler_ext.measure import Figure, Measurer, program_figure
 
-__all__ = ["Code", "Guard", "Verdict", "Standing"]
+__all__ = ["Code", "Guard", "Verdict", "Standing", "Rise"]
 
 
 class Code(enum.Enum):
@@ -56,14 +56,23 @@ class Standing:
     model: int | None
     xla: Figure = Figure()
 
-    def said(self) -> str:
-        """The figures as a record shows them."""
-        parts = []
-        if self.xla.known:
-            parts.append(f"XLA's figure {self.xla.bytes:,} B")
-        if self.model is not None:
-            parts.append(f"the memory model's {self.model:,} B")
-        return ", ".join(parts) or "no figure"
+
+@dataclasses.dataclass(frozen=True)
+class Rise:
+    """A program's figures before and after a rewrite that raised them: the plan of the record that
+    undoes it.  ``by_xla``: XLA's figures decided (both known); else the memory model's counts."""
+
+    before: Standing
+    after: Standing
+    by_xla: bool
+
+    def __str__(self) -> str:
+        if self.by_xla:
+            counted = ("" if self.before.model is None or self.after.model is None else
+                       f" (the memory model counted {self.before.model:,} -> {self.after.model:,} B)")
+            return (f"XLA's figure for the program rose from {self.before.xla.bytes:,} B to "
+                    f"{self.after.xla.bytes:,} B{counted}")
+        return f"the memory model's count of the program rose from {self.before.model:,} B to {self.after.model:,} B"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +100,7 @@ class Guard:
         self.check_from = check_from
 
     def _checker(self, options) -> Measurer | None:
-        return self.measurer if getattr(options, "check_programs", True) else None
+        return self.measurer if options.check_programs else None
 
     @staticmethod
     def model_bytes(graph) -> int | None:
@@ -132,16 +141,11 @@ class Guard:
         return Standing(self.model_bytes(graph), program_figure(self._checker(options), graph))
 
     @staticmethod
-    def compare(before: Standing, after: Standing) -> str | None:
-        """Why the program is worse after than before (one line), or ``None`` where it is not: XLA's
-        figures where both are known, else the model's where both are."""
+    def compare(before: Standing, after: Standing) -> Rise | None:
+        """How the program is worse after than before, or ``None`` where it is not: XLA's figures
+        where both are known, else the model's where both are."""
         if before.xla.known and after.xla.known:
-            if after.xla.bytes > before.xla.bytes:
-                counted = ("" if before.model is None or after.model is None else
-                           f" (the memory model counted {before.model:,} -> {after.model:,} B)")
-                return (f"XLA's figure for the program rose from {before.xla.bytes:,} B to {after.xla.bytes:,} B"
-                        f"{counted}")
-            return None
+            return Rise(before, after, True) if after.xla.bytes > before.xla.bytes else None
         if before.model is not None and after.model is not None and after.model > before.model:
-            return f"the memory model's count of the program rose from {before.model:,} B to {after.model:,} B"
+            return Rise(before, after, False)
         return None

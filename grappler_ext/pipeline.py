@@ -93,6 +93,16 @@ class PipelineResult:
         return [rec for r in self.results for rec in r.records]
 
 
+@dataclasses.dataclass
+class _GuardedRun:
+    """The guard's state for one pipeline run: its verdict on the program before the first memory
+    pass (``judged`` once), and the passes already told that it fits."""
+
+    verdict: Verdict | None = None
+    judged: bool = False
+    told: set = dataclasses.field(default_factory=set)
+
+
 class Pipeline:
     """An ordered list of passes run over a graph (see the module docstring)."""
 
@@ -122,7 +132,7 @@ class Pipeline:
         journal = Journal()
         ran: list[str] = []
         step = 0
-        verdict: dict = {}      # the guard's, once a run (before the first memory pass), and who was told
+        guarded = _GuardedRun()
         with journaled(journal):
             for _ in range(options.max_fixed_point_iterations):
                 result.iterations += 1
@@ -133,7 +143,7 @@ class Pipeline:
                     edits_before = len(journal)
                     try:
                         if p.motive is Motive.MEMORY:
-                            pass_result = self._guarded(p, graph, options, journal, verdict)
+                            pass_result = self._guarded(p, graph, options, journal, guarded)
                         else:
                             pass_result = p.run(graph, options)
                         if not isinstance(pass_result, PassResult):
@@ -157,16 +167,16 @@ class Pipeline:
                 result.reached_fixed_point = options.max_fixed_point_iterations == 1
         return result
 
-    def _guarded(self, p: GraphPass, graph, options, journal: Journal, verdict: list) -> PassResult:
+    def _guarded(self, p: GraphPass, graph, options, journal: Journal, run: _GuardedRun) -> PassResult:
         """``p.run`` as the guard allows: not on a program within its limit as traced; undone where
         the program's figure rose with it (:mod:`grappler_ext.guard`)."""
-        if "as_traced" not in verdict:
-            verdict["as_traced"] = self.guard.verdict(graph, options)
-        fits: Verdict | None = verdict["as_traced"]
+        if not run.judged:
+            run.verdict, run.judged = self.guard.verdict(graph, options), True
+        fits = run.verdict
         if fits is not None and fits.fits:
             result = PassResult(p.name)
-            if p.name not in verdict:          # said once a run, not at every iteration
-                verdict[p.name] = True
+            if p.name not in run.told:          # said once a run, not at every iteration
+                run.told.add(p.name)
                 result.skip([], f"left alone: the program is within its limit as traced ({fits.reason}); "
                                 "rewrites made for memory change only programs over it", code=GuardCode.FITS)
             return result
@@ -190,7 +200,7 @@ class Pipeline:
         undone = PassResult(p.name)
         ops = sorted({name for r in result.rewritten for name in r.ops})
         undone.skip(ops, f"undone: {worse}; {len(result.rewritten)} rewrite(s) by its own count "
-                         f"({'; '.join(r.reason for r in result.rewritten)[:300]})", code=GuardCode.ROSE)
+                         f"({'; '.join(r.reason for r in result.rewritten)[:300]})", code=GuardCode.ROSE, plan=worse)
         return undone
 
     @staticmethod

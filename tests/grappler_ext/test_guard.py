@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import graph_edit
-from grappler_ext.guard import Code, Guard, Standing
+from grappler_ext.guard import Code, Guard, Rise, Standing
 from grappler_ext.matrix_chain import MatrixChain
 from grappler_ext.measure import Figure
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
@@ -101,6 +101,7 @@ def test_over_the_limit_a_rewrite_that_raises_xlas_figure_is_undone():
     assert format_graph(g) == as_traced
     (record,) = result.records
     assert record.code is Code.ROSE and record.pass_name == "reduce_of_product"
+    assert record.plan.by_xla and (record.plan.before.xla.bytes, record.plan.after.xla.bytes) == (200, 300)
     assert record.reason.startswith("undone: XLA's figure for the program rose from 200 B to 300 B")
     assert "sum(A @ B)" in record.reason and record.ops
 
@@ -128,6 +129,7 @@ def test_without_a_measurer_the_memory_models_rise_undoes_it():
     assert format_graph(g) == as_traced
     (record,) = result.records
     assert record.code is Code.ROSE and "the memory model's count of the program rose from" in record.reason
+    assert not record.plan.by_xla and record.plan.after.model > record.plan.before.model
 
 
 def test_a_motive_other_than_memory_is_not_guarded():
@@ -171,9 +173,13 @@ def test_the_guard_and_the_splitter_share_one_compile_of_the_program_as_traced()
 
 
 def test_compare_prefers_xlas_figures_then_the_models():
-    assert Guard.compare(Standing(10, Figure(100)), Standing(1, Figure(101))).startswith("XLA's figure")
+    by_xla = Guard.compare(Standing(10, Figure(100)), Standing(1, Figure(101)))
+    assert by_xla == Rise(Standing(10, Figure(100)), Standing(1, Figure(101)), by_xla=True)
+    assert str(by_xla).startswith("XLA's figure")
     assert Guard.compare(Standing(1, Figure(100)), Standing(10, Figure(100))) is None
-    assert Guard.compare(Standing(1), Standing(2)).startswith("the memory model's count")
+    by_model = Guard.compare(Standing(1), Standing(2))
+    assert by_model == Rise(Standing(1), Standing(2), by_xla=False)
+    assert str(by_model).startswith("the memory model's count")
     assert Guard.compare(Standing(None), Standing(2)) is None
     with pytest.raises(ValueError, match="check_from"):
         Guard(trust=0.2, check_from=0.5)
