@@ -1,4 +1,5 @@
-"""Where a benchmark writes, and its rows: one CSV column per field of its row dataclass, and a JSON copy.
+"""Where a benchmark writes, and its rows: one CSV column per field of its row dataclass, and a JSON copy;
+and how a row says two programs' outputs differ (:func:`max_rel_diff`).
 
 A full run writes to ``experiments/results`` (the committed results); a ``--quick`` smoke run to
 ``experiments/results/quick`` (ignored by git), so that trying the quick check never overwrites
@@ -12,7 +13,7 @@ import dataclasses
 import json
 import os
 
-__all__ = ["write_outputs", "results_dir", "machine_meta", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
+__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
 
 RESULTS = os.path.join("experiments", "results")
 QUICK_RESULTS = os.path.join(RESULTS, "quick")
@@ -33,6 +34,19 @@ def machine_meta() -> dict:
 
     return {"tensorflow": tf.__version__, "cpus": os.cpu_count(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}"}
+
+
+def max_rel_diff(got, expected) -> float:
+    """The largest absolute difference over the largest magnitude, per output of two nests of
+    outputs (tensors or arrays, same structure), the worst output's; 0 for an empty one."""
+    import numpy as np
+    import tensorflow as tf
+
+    def flat(out):
+        return [np.asarray(x) for x in tf.nest.flatten(out)]
+
+    return max(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)) if x.size else 0.0
+               for x, y in zip(flat(got), flat(expected)))
 
 
 def write_outputs(rows: list, row_type: type, stem: str, meta: dict) -> None:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, max_rel_diff, results_dir, write_outputs
 
 LAYERS = ("keras3_mha", "tf_keras_attention")
 METHODS = ("naive", "tf_memsafe", "no_constant_cumsum")
@@ -122,10 +122,10 @@ def _in_fresh_process(layer: str, length: int, method: str, timeout: float) -> d
 
 
 def _diff(got, ref) -> float:
+    """:func:`~experiments._results.max_rel_diff` of two outputs read back from JSON, in float64."""
     import numpy as np
 
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+    return max_rel_diff(np.asarray(got, np.float64), np.asarray(ref, np.float64))
 
 
 def run(lengths, timeout: float, layers=LAYERS) -> list[Row]:

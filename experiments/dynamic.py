@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, max_rel_diff, results_dir, write_outputs
 
 LIMIT = 20_000_000
 M = 20_000
@@ -81,11 +81,6 @@ def _flat(out) -> list[np.ndarray]:
     return [np.asarray(x) for x in tf.nest.flatten(out)]
 
 
-def _diff(a, b) -> float:
-    return max(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)) if x.size else 0.0
-               for x, y in zip(_flat(a), _flat(b)))
-
-
 def _timed(fn, q) -> float:
     start = time.perf_counter()
     out = fn(q)
@@ -127,7 +122,7 @@ def run(sizes, m: int, repeats: int, limit: int = LIMIT) -> list[Row]:
             for meth, fn in methods.items():
                 rows.append(Row(name, n, meth, figures[(meth, n)], figures[(meth, n)] <= limit,
                                 round(first[(meth, n)], 3), round(statistics.median(times[meth]), 4),
-                                _diff(fn(q), reference)))
+                                max_rel_diff(fn(q), reference)))
                 print(rows[-1], flush=True)
     return rows
 

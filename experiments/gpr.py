@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, max_rel_diff, results_dir, write_outputs
 from tf_memsafe import hook
 
 DIVISOR = 8
@@ -85,15 +85,6 @@ def workload(name: str, n: int, t: int):
     return loss_and_gradients, ()
 
 
-def _flat(out) -> list[np.ndarray]:
-    return [np.asarray(v) for v in tf.nest.flatten(out)]
-
-
-def _rel_diff(got, expected) -> float:
-    return max(float(np.max(np.abs(g - e))) / max(float(np.max(np.abs(e))), 1e-300)
-               for g, e in zip(_flat(got), _flat(expected)))
-
-
 def measure(name: str, n: int, t: int, check: bool) -> Row:
     fn, args = workload(name, n, t)
     naive = tf_memsafe.memory_footprint(fn, *args, rewrite=False)
@@ -111,7 +102,7 @@ def measure(name: str, n: int, t: int, check: bool) -> Row:
     if check:
         with hook.suspended():
             expected = tf.function(fn, jit_compile=True)(*args)
-        diff = _rel_diff(got, expected)
+        diff = max_rel_diff(got, expected)
     return Row(name, n, t, "check" if check else "footprint", naive, limit, got_bytes, got_bytes <= limit,
                round(seconds, 2), status, diff)
 
