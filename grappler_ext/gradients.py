@@ -33,7 +33,8 @@ import tensorflow as tf
 
 from grappler_ext import graph_edit, graph_query
 
-__all__ = ["GRADIENTS_ATTR", "GradientRecord", "records", "backward_ops", "rebuildable", "retarget", "rebuild"]
+__all__ = ["GRADIENTS_ATTR", "GradientRecord", "records", "backward_ops", "rebuildable", "differentiated", "retarget",
+           "rebuild"]
 
 # Attribute of a FuncGraph holding its list of GradientRecord (set while the function is traced).
 GRADIENTS_ATTR = "_tf_memsafe_gradients"
@@ -105,6 +106,18 @@ def rebuildable(graph) -> tuple[bool, str]:
         if any(not isinstance(t, tf.Tensor) for t in record.targets):
             return False, "a gradient inside the function has a target that is not a tensor"
     return True, ""
+
+
+def differentiated(graph, ops: Iterable[tf.Operation]) -> bool:
+    """Whether a gradient recorded inside the function differentiates a target computed from one of
+    ``ops`` (so that the gradient of their outputs is certainly taken in this graph)."""
+    ops = set(ops)
+    for record in records(graph):
+        if not any(_components(r) for r in record.results):
+            continue
+        if graph_query.ancestors([t for t in record.targets if _in_graph(t)]) & ops:
+            return True
+    return False
 
 
 def retarget(graph, old: tf.Tensor, new: tf.Tensor) -> None:

@@ -63,6 +63,10 @@ class Combiner(abc.ABC):
     name: str = ""
     differentiable: bool = True
     hidden_outputs: int = 0  # outputs after the root's own ones (kept for the gradient)
+    # Whether a slice's upstream gradient is a fixed linear function of the outputs' upstream
+    # (a sum's, a mean's), reading neither the outputs nor the partials: a loop may then compute
+    # each slice's gradients in the forward, for an upstream of one (loop.fusable).
+    linear_upstream: bool = False
 
     @abc.abstractmethod
     def init(self, partial_specs: Sequence[tf.TensorSpec], steps: int) -> list:
@@ -165,6 +169,7 @@ class Sum(_Fold):
     """sum over the split axis = sum over slices of each slice's sum (also: MatMul contracting)."""
 
     name = "sum"
+    linear_upstream = True
 
     def identity(self, spec):
         return tf.zeros(spec.shape, spec.dtype)

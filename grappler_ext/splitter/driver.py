@@ -581,14 +581,22 @@ class _Region:
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
-        if draws and backward_chunk < chunks.chunk:
-            # A slice's draw keys on its offset: the gradient's slices must be the forward's.
+        # The gradients computed in the forward loop, slice by slice (one pass over the slices, not
+        # two), where the region's one output is a scalar the recorded gradients differentiate.
+        fused = (self.backward and gradients.differentiated(run.graph, [o.root for o in options])
+                 and mechanism.fusable(options, grown.region, ChunkPlan(chunks.length, backward_chunk, 0)))
+        forward_chunk = chunks.chunk
+        if (draws or fused) and backward_chunk < chunks.chunk:
+            # A slice's draw keys on its offset: the gradient's slices must be the forward's.  A
+            # fused loop holds a slice's gradient: the gradient's chunk.
             chunks = ChunkPlan(chunks.length, backward_chunk,
                                int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
-        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws)
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws,
+                          fused=forward_chunk if fused else None)
 
-    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws) -> set | None:
-        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``."""
+    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None) -> set | None:
+        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``.
+        ``fused``: the loop computes the gradients as it goes (``fused`` is the forward's own chunk)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
@@ -597,7 +605,7 @@ class _Region:
                 if draws:
                     # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
                     self.reseed.tensor = mechanism.call_seed()
-                outputs = mechanism.build(options, grown.region, chunks, backward_chunk)
+                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused=fused is not None)
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:
             self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                              code=Code.BUILD_FAILED)
@@ -613,15 +621,22 @@ class _Region:
                 self.reseed.tensor = None
         # What each loop's body holds, for the memory model's view of the program as rewritten.
         joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
-        for op in forward_loops:
-            run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined
-        backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
         room = run.grow_room.get(tensor.name, (0, 0))
+        for op in forward_loops:
+            if fused is None:
+                run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined
+            else:
+                # A slice and its gradient at once, and the inputs' gradients it sums or writes.
+                grads = sum(nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
+                run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
+                                                  chunks.chunk * best.planned.backward_unit - room[0])) + grads
+        backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
         for op in backward_loops:
             # Grown into room the model did not see: counted as the rest less that room.
             run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
                                               backward_chunk * best.planned.backward_unit - room[0]))
-        gradient_loop = bool(backward_loops) and backward_chunk < chunks.chunk
+        gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
+            fused is not None and backward_chunk < fused)
         if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning):
             run.starved[tensor.name] = backward_chunk
         if sized.sizing == Sizing.PROGRAM_FIGURE:
@@ -631,7 +646,7 @@ class _Region:
                         sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
                         loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
                         rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
-                        dynamic=grown.region.dynamic)
+                        dynamic=grown.region.dynamic, fused=fused is not None)
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
                             bytes_after=chunks.predicted_bytes,

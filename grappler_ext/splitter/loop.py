@@ -64,7 +64,7 @@ from grappler_ext.splitter.slicing import (
     valid_rows,
 )
 
-__all__ = ["Region", "build_split", "forward_program", "external_inputs"]
+__all__ = ["Region", "build_split", "forward_program", "external_inputs", "fusable"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -265,13 +265,19 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
 
 
 def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
-                differentiable: bool = True, backward_chunk: int | None = None) -> list[tf.Tensor]:
+                differentiable: bool = True, backward_chunk: int | None = None,
+                fused: int | None = None) -> list[tf.Tensor]:
     """Build the loop computing ``region`` in chunks of ``chunk``; returns the combined outputs.
 
     Must be called with the region's graph as default.  ``partial_specs`` are the shapes and dtypes
     of one full slice's partial results (what ``combiner.init`` needs).  The backward recomputes
     in chunks of ``backward_chunk`` (default ``chunk``): a slice's gradient holds several tensors
     of the slice's size at once, so it needs smaller chunks to fit the same limit.
+
+    ``fused``: the index of the one output the gradients flow through, a scalar whose combiner
+    passes each slice a fixed share of its upstream gradient (:func:`fusable`); the loop then
+    computes each slice's gradients as it computes the slice (:func:`_fused_forward`), and the
+    backward only scales them: one pass over the slices instead of two.
     """
     backward_chunk = backward_chunk or chunk
     external, forward = forward_program(region, chunk, combiner, partial_specs)
@@ -282,6 +288,23 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     read_whole = [t.ref() in region.whole_inputs for t in external]
     if not differentiable or not any(floating):
         return forward(*external)
+
+    if fused is not None:
+        @tf.custom_gradient
+        def fused_region(*values):
+            outputs, totals = _fused_forward(region, build, external, axes, read_whole, values, combiner,
+                                             partial_specs, chunk, floating, fused)
+
+            def grad(*upstream):
+                u = upstream[fused]
+                if u is None:
+                    return [None] * len(totals)
+                u = tf.reshape(tf.convert_to_tensor(u), [])
+                return [None if g is None else g * tf.cast(u, g.dtype) for g in totals]
+
+            return outputs, grad
+
+        return list(fused_region(*external))
 
     @tf.custom_gradient
     def split_region(*values):
@@ -374,6 +397,119 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
         # None: an input only a prologue reads (see _backward_with_prologue).
         out.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
     return out
+
+
+def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]) -> int | None:
+    """The output a fused loop (:func:`_fused_forward`) differentiates, or ``None`` where it cannot:
+    exactly one floating output, a scalar, whose combiner hands each slice a share of the upstream
+    gradient fixed before the backward runs (a sum's or a mean's: :attr:`Combiner.linear_upstream`).
+    Then the gradient of every input is the upstream scalar times the sum over slices of each
+    slice's gradient for an upstream of one, which the forward loop can compute."""
+    if not combiner.linear_upstream:
+        return None
+    floating = [i for i, s in enumerate(partial_specs) if s.dtype.is_floating or s.dtype.is_complex]
+    if len(floating) != 1 or partial_specs[floating[0]].shape.num_elements() != 1:
+        return None
+    return floating[0]
+
+
+def _fused_forward(region, build, external, axes, read_whole, values, combiner, partial_specs, chunk, floating,
+                   target):
+    """The region's outputs and, for each external input, the gradient of output ``target`` (a
+    scalar) for an upstream gradient of one: each slice computed and differentiated in the same
+    step of one loop (what a hand-written gradient accumulation does), instead of a forward loop
+    and a backward loop that computes every slice again.
+
+    Gradients of inputs read sliced are written slice by slice and joined; those of inputs read
+    whole (and of the prologue's outputs, carried through the prologue after the loop) are summed.
+    """
+    values = list(values)
+    n = len(external)
+    derived = _in_order(region, external, values, [v for t, v in zip(external, values)
+                                                   if t.ref() in region.sliced_inputs] or values)
+    keys = [ref for ref in derived if ref in region.whole_inputs and derived[ref].dtype.is_floating]
+    length = run_length(region, external, values)
+    steps, tail = _extent(region, length, chunk)
+    folding = combiner if length is None else combiner.at_length(length)
+    axes = [a if f else None for a, f in zip(axes, floating)]
+    read_whole = [w and f for w, f in zip(read_whole, floating)]
+    unit = [tf.ones(s.shape, s.dtype) if i == target else None for i, s in enumerate(partial_specs)]
+
+    def slice_step(offset, size):
+        # Identities to differentiate with respect to, as in _backward: an input read both ways
+        # gets its sliced part through the slices and its whole part through ``inner``.
+        inner = [tf.identity(v) for v in values]
+        inner_derived = {ref: tf.identity(derived[ref]) for ref in keys}
+        partials, sliced = build(inner, offset, size, {**derived, **inner_derived},
+                                 sliced_from=[tf.identity(v) for v in values], length=length)
+        ups = folding.slice_upstream(unit, None, partials, offset, size)
+        targets = [p for p, u in zip(partials, ups) if u is not None]
+        ups = [u for u in ups if u is not None]
+        sources = ([s for s, a in zip(sliced, axes) if s is not None and a is not None]
+                   + [v for v, w in zip(inner, read_whole) if w] + [inner_derived[ref] for ref in keys])
+        grads = tf.gradients(targets, sources, grad_ys=ups) if targets else [None] * len(sources)
+        grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
+        it = iter(grads)
+        sliced_grads = [next(it) if s is not None and a is not None else None for s, a in zip(sliced, axes)]
+        whole_grads = [next(it) if w else None for w in read_whole]
+        derived_grads = [next(it) for _ in keys]
+        return partials, sliced_grads, whole_grads, derived_grads
+
+    fold0 = folding.init(partial_specs, steps)
+    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(external, axes) if a is not None]
+    sums0 = ([tf.zeros_like(v) for v, w in zip(values, read_whole) if w]
+             + [tf.zeros_like(derived[ref]) for ref in keys])
+    counts = (len(fold0), len(arrays0))
+
+    def body(i, *carry):
+        fold, arrays, sums = (list(carry[:counts[0]]), list(carry[counts[0]:sum(counts)]),
+                              list(carry[sum(counts):]))
+        offset = i * chunk
+        partials, sliced_grads, whole_grads, derived_grads = slice_step(offset, chunk)
+        fold = folding.step(fold, partials, i, offset)
+        it = iter(arrays)
+        arrays = [next(it).write(i, g) for g in sliced_grads if g is not None]
+        sums = [s + g for s, g in zip(sums, [g for g in whole_grads if g is not None] + derived_grads)]
+        return (i + 1, *fold, *arrays, *sums)
+
+    count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *fold0, *arrays0, *sums0),
+                                    maximum_iterations=steps)
+    fold, arrays, sums = (carried[:counts[0]], carried[counts[0]:sum(counts)], carried[sum(counts):])
+    # The remainder after the loop, its offset read from the loop's counter (as in forward_program).
+    if tail:
+        tail_partials, tail_sliced, tail_whole, tail_derived = slice_step(count * chunk, tail)
+    else:
+        tail_partials, tail_sliced, tail_whole, tail_derived = None, [None] * n, [None] * n, [None] * len(keys)
+    outputs = folding.finish(list(fold), tail_partials, steps * chunk)
+
+    arrays_it = iter(arrays)
+    joined = [None if a is None else join_slices(next(arrays_it), a, tail_sliced[k],
+                                                 None if length is None else axis_length(values[k], a),
+                                                 region.factors.get(external[k].ref(), UNIT).outer)
+              for k, a in enumerate(axes)]
+    sums_it = iter(sums)
+    summed = []
+    for k, w in enumerate(read_whole):
+        total = next(sums_it) if w else None
+        summed.append(total if total is None or tail_whole[k] is None else total + tail_whole[k])
+    through = []
+    for j in range(len(keys)):
+        total = next(sums_it)
+        through.append(total if tail_derived[j] is None else total + tail_derived[j])
+    totals = []
+    for k in range(n):
+        parts = [g for g in (joined[k], summed[k]) if g is not None]
+        totals.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
+    sources = [k for k in range(n) if floating[k]]
+    if keys and sources:
+        # The prologue's outputs' gradients carried back to the inputs it reads, now: the prologue's
+        # large outputs are not held for the backward.
+        more = tf.gradients([derived[ref] for ref in keys], [values[k] for k in sources], grad_ys=through)
+        for k, g in zip(sources, more):
+            if g is not None:
+                g = tf.convert_to_tensor(g)
+                totals[k] = g if totals[k] is None else totals[k] + g
+    return outputs, totals
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:

@@ -22,8 +22,9 @@ from grappler_ext.splitter import combiners, rules, slicing
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, forward_program
+from grappler_ext.splitter.loop import fusable as loop_fusable
 
-__all__ = ["combined", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
+__all__ = ["combined", "fusable", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
 
 
 def call_seed() -> tf.Tensor:
@@ -133,12 +134,23 @@ def combined(options, region: Region, plan: ChunkPlan):
     return combiner, specs, differentiable, counts
 
 
-def build(options, region: Region, plan: ChunkPlan, backward_chunk: int) -> list[tf.Tensor]:
+def fusable(options, region: Region, plan: ChunkPlan) -> bool:
+    """Whether the loop for ``region`` can compute its gradients as it goes (:func:`.loop.fusable`:
+    one scalar floating output, combined by a sum or a mean)."""
+    combiner, specs, differentiable, _ = combined(options, region, plan)
+    return differentiable and loop_fusable(combiner, specs) is not None
+
+
+def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False) -> list[tf.Tensor]:
     """The loop for ``region`` in ``plan``'s chunks (its gradient in ``backward_chunk``), built in
-    the default graph: the roots' outputs, in order."""
+    the default graph: the roots' outputs, in order.  ``fused``: the gradients computed in the same
+    loop, in ``plan``'s chunks (where :func:`fusable`)."""
     combiner, specs, differentiable, counts = combined(options, region, plan)
+    target = loop_fusable(combiner, specs) if fused and differentiable else None
+    if fused and target is None:
+        raise ValueError("the loop cannot compute its gradients as it goes")
     outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
-                          backward_chunk=backward_chunk)
+                          backward_chunk=backward_chunk, fused=target)
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]

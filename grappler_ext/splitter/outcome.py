@@ -136,6 +136,9 @@ class LoopPlan:
       dynamic: the split axis' length is known only at run time: ``length`` is the nominal size the
         loop was planned at (:mod:`grappler_ext.shapes`), and the loop runs ``ceil(n / chunk)`` slices
         of ``chunk``, the last one's rows past ``n`` masked out (no remainder slice).
+      fused: the loop computes each slice's gradients as it computes the slice (gradients inside the
+        function, one scalar output combined by a sum or a mean): one pass over the slices, no
+        gradient loop; ``chunk`` is then the gradient's.
     """
 
     roots: tuple[RootSplit, ...]
@@ -152,6 +155,7 @@ class LoopPlan:
     rebuilt_gradients: int = 0
     prologue_ops: tuple[str, ...] = ()
     dynamic: bool = False
+    fused: bool = False
 
     @property
     def steps(self) -> int:
@@ -191,6 +195,8 @@ class LoopPlan:
             text += (f"; its gradient in chunks of {self.backward_chunk}" if self.dynamic else
                      f"; its gradient {self.backward_steps} x {self.backward_chunk}" + (
                          f" + {self.backward_tail}" if self.backward_tail else ""))
+        if self.fused:
+            text += "; its gradients computed in the same loop"
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"

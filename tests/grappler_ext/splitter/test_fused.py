@@ -1,0 +1,240 @@
+"""Loops that compute their gradients as they go (issue 30): with the tape inside the function and a
+split region whose one output is a scalar combined by a sum or a mean (the loss itself), each slice
+is computed and differentiated in the same step, as a hand-written gradient accumulation does,
+instead of a forward loop and a backward loop that computes every slice again.
+
+Sizes (float64): single-head attention at L = 1024, d = 16 holds [1024, 1024] scores = 8 MB, and
+the step holds several such; the limit of 2 MB makes the splitter cut the queries into slices.
+Every case compares the loss and every gradient with the step as written, at 1e-10.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext.pipeline import Pipeline
+from grappler_ext.splitter import Splitter
+from tf_memsafe import hook
+from tf_memsafe.memory import XlaMeasurer
+
+LIMIT = 2 * 10**6
+L, D, H = 1024, 16, 4
+RNG = np.random.default_rng(0)
+X = tf.constant(RNG.standard_normal((L, D)))
+TARGET = tf.constant(RNG.standard_normal((L, D)))
+INITIAL = [RNG.standard_normal((D, D)) / 4 for _ in range(3)]
+HEADS = [RNG.standard_normal((D, H, D)) / 4 for _ in range(3)]          # multi_head's [D, H, D] maps
+KERNEL = [RNG.standard_normal((D, D)) / 4, RNG.standard_normal((512, D)),  # kernel_regression's map,
+          RNG.standard_normal((512, 1)) / 512]                            # centres and weights
+
+
+def splitter_only():
+    return hook.use_pipeline(Pipeline([Splitter(XlaMeasurer())]))
+
+
+def loops():
+    return [r.plan for rep in tf_memsafe.reports() for r in rep.records
+            if r.pass_name == "splitter" and r.action == "rewritten"]
+
+
+def attention(x, weights, causal=False):
+    q, k, v = (x @ w for w in weights)
+    scores = tf.matmul(q, k, transpose_b=True) / 4.0                              # [L, L]
+    if causal:
+        scores = tf.where(tf.linalg.band_part(tf.ones_like(scores), -1, 0) > 0, scores, -1e9)
+    return tf.nn.softmax(scores, -1) @ v                                           # [L, D]
+
+
+def mse(x, t, weights):
+    return tf.reduce_mean(tf.square(attention(x, weights) - t))
+
+
+def causal_mse(x, t, weights):
+    return tf.reduce_mean(tf.square(attention(x, weights, causal=True) - t))
+
+
+def regularised(x, t, weights):
+    """The loss read through more scalar ops (a penalty added, scaled): the region's scalar output
+    still reaches the loss."""
+    return 3.0 * tf.reduce_sum(tf.square(attention(x, weights) - t)) + 0.1 * tf.reduce_sum(weights[0] ** 2)
+
+
+def kernel_both_ways(x, t, weights):
+    """K(x W, x W) read by rows and whole (x W sliced and whole in the same region)."""
+    e = x @ weights[0][:, :4]                                                       # [L, 4]
+    d = tf.reduce_sum(tf.square(e[:, None, :] - e[None, :, :]), -1)                 # [L, L]
+    return tf.reduce_mean(tf.square(tf.exp(-d / 8.0) @ (x @ weights[1]) - t))
+
+
+def multi_head(x, t, weights):
+    """Heads by einsum: keys and values [L, H, D] projected from x [L, D] (four times its bytes: the
+    loop's prologue computes them before the loop)."""
+    q, k, v = (tf.einsum("ld,dhe->lhe", x, w) for w in weights)
+    probs = tf.nn.softmax(tf.einsum("lhe,mhe->hlm", q, k) / 4.0, -1)               # [H, L, L]
+    out = tf.einsum("hlm,mhe->lhe", probs, v)
+    return tf.reduce_mean(tf.square(tf.reduce_sum(out, 1) - t))
+
+
+def kernel_regression(x, weights):
+    """exp(-D(x W, Z)) w against tanh(x)'s first column: [L, 512, D] differences."""
+    projection, centres, w = weights
+    d = tf.reduce_sum(tf.square((x @ projection)[:, None, :] - centres[None, :, :]), -1)   # [L, 512]
+    return tf.reduce_mean(tf.square(tf.exp(-d / 16.0) @ w - tf.tanh(x[:, :1])))
+
+
+def step_fn(loss, weights):
+    def step(x, t):
+        with tf.GradientTape() as tape:
+            value = loss(x, t, weights)
+        return value, tape.gradient(value, weights)
+    return step
+
+
+def variables(initial=None):
+    return [tf.Variable(w) for w in (INITIAL if initial is None else initial)]
+
+
+def assert_close(got, expected, rtol=1e-10):
+    for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected), strict=True):
+        if e is None:                                   # a weight the loss does not read
+            assert g is None
+            continue
+        g, e = np.asarray(g), np.asarray(e)
+        assert np.linalg.norm(g - e) <= rtol * np.linalg.norm(e), np.linalg.norm(g - e) / np.linalg.norm(e)
+
+
+def run_both(loss, args, specs=None, limit=LIMIT):
+    initial = HEADS if loss is multi_head else INITIAL
+    limit = 4 * limit if loss is multi_head else limit            # four heads' scores
+    expected = tf.function(step_fn(loss, variables(initial)), jit_compile=True)(*args)
+    tf_memsafe.enable(limit, strict=True)
+    with splitter_only():
+        split = tf.function(step_fn(loss, variables(initial)), jit_compile=True, input_signature=specs)
+        got = split(*args)
+        footprint = tf_memsafe.memory_footprint(split, *args) if specs is None else None
+    return got, expected, footprint
+
+
+@pytest.mark.parametrize("loss", [mse, causal_mse, regularised, kernel_both_ways, multi_head],
+                         ids=lambda f: f.__name__)
+def test_one_loop_computes_the_loss_and_its_gradients(loss):
+    got, expected, footprint = run_both(loss, (X, TARGET))
+    plans = [p for p in loops() if p.roots[0].op_type in ("Mean", "Sum")]
+    assert plans and all(p.fused for p in plans), [p.render() for p in loops()]
+    assert "its gradients computed in the same loop" in plans[0].render()
+    assert footprint <= (4 * LIMIT if loss is multi_head else LIMIT), [p.render() for p in loops()]
+    assert_close(got, expected)
+
+
+def test_the_prologue_is_differentiated_after_the_loop():
+    run_both(multi_head, (X, TARGET))
+    assert any(p.fused and p.prologue_ops for p in loops()), [p.render() for p in loops()]
+
+
+def test_a_length_known_at_run_time_masks_the_last_slice():
+    """A [None, D] input planned at a nominal length; called at lengths that are no multiple of the
+    chunk: the rows past the end contribute neither to the loss nor to any gradient."""
+    def step(weights):
+        def fn(x):
+            with tf.GradientTape() as tape:
+                value = kernel_regression(x, weights)
+            return value, tape.gradient(value, weights)
+        return fn
+
+    for n in (1000, 777):
+        hook.clear_reports()
+        expected = tf.function(step(variables(KERNEL)), jit_compile=True)(X[:n])
+        tf_memsafe.enable(2 * LIMIT, strict=True)       # [n, 512, 16] differences: 64 kB a row
+        with splitter_only():
+            got = tf.function(step(variables(KERNEL)), jit_compile=True,
+                              input_signature=[tf.TensorSpec([None, D], tf.float64)])(X[:n])
+        plans = loops()
+        assert plans and plans[0].fused and plans[0].dynamic, [p.render() for p in plans]
+        assert_close(got, expected)
+        tf_memsafe.disable()
+
+
+def test_adam_steps_update_the_variables_as_written():
+    import tf_keras as keras
+
+    def train(weights):
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(weights)
+
+        def step(x, t):
+            with tf.GradientTape() as tape:
+                value = mse(x, t, weights)
+            optimizer.apply_gradients(zip(tape.gradient(value, weights), weights))
+            return value
+        return tf.function(step, jit_compile=True)
+
+    naive_weights, split_weights = variables(), variables()
+    naive = train(naive_weights)
+    expected = [float(naive(X, TARGET)) for _ in range(3)]
+    tf_memsafe.enable(LIMIT, strict=True)
+    with splitter_only():
+        split = train(split_weights)
+        got = [float(split(X, TARGET)) for _ in range(3)]
+    assert loops() and loops()[0].fused
+    np.testing.assert_allclose(got, expected, rtol=1e-10)
+    assert_close([w.numpy() for w in split_weights], [w.numpy() for w in naive_weights])
+
+
+class TestMustNotFuse:
+    """Where a slice's gradient needs what only the backward knows, the loop stays a forward loop
+    with a gradient loop of its own."""
+
+    def test_an_output_that_keeps_the_split_axis(self):
+        """The attention's [L, D] output goes on through a cumulative sum along the queries, which
+        stops the region: the loop's output is no scalar, its upstream gradient a [L, D] tensor."""
+        def loss(x, t, weights):
+            return tf.reduce_mean(tf.square(tf.math.cumsum(attention(x, weights), 0) - t))
+
+        got, expected, _ = run_both(loss, (X, TARGET))
+        plans = loops()
+        assert plans and not any(p.fused for p in plans), [p.render() for p in plans]
+        assert_close(got, expected)
+
+    def test_a_maximum(self):
+        """A max's upstream goes to the slices holding the maximum, known only once all are seen."""
+        def loss(x, t, weights):
+            return tf.reduce_max(tf.square(attention(x, weights) - t))
+
+        got, expected, _ = run_both(loss, (X, TARGET))
+        plans = loops()
+        assert plans and not any(p.fused for p in plans), [p.render() for p in plans]
+        assert_close(got, expected)
+
+    def test_a_scalar_the_gradients_do_not_read(self):
+        """A metric over the attention beside a loss of the weights alone: its gradient is never
+        taken, so computing it in the loop would only cost time."""
+        weights = variables()
+
+        def step(x, t):
+            with tf.GradientTape() as tape:
+                value = tf.reduce_sum(weights[0] ** 2)
+            metric = tf.reduce_mean(tf.square(attention(x, weights) - t))
+            return value, metric, tape.gradient(value, weights[0])
+
+        expected = tf.function(step, jit_compile=True)(X, TARGET)
+        tf_memsafe.enable(LIMIT, strict=True)
+        with splitter_only():
+            got = tf.function(step, jit_compile=True)(X, TARGET)
+        plans = loops()
+        assert plans and not any(p.fused for p in plans), [p.render() for p in plans]
+        assert_close(got, expected)
+
+    def test_a_tape_outside_the_function(self):
+        """The function computes the loss only; its gradient is another function's business."""
+        weights = variables()
+        tf_memsafe.enable(LIMIT, strict=True)
+        with splitter_only():
+            fn = tf.function(lambda x, t: mse(x, t, weights), jit_compile=True)
+            with tf.GradientTape() as tape:
+                value = fn(X, TARGET)
+            grads = tape.gradient(value, weights)
+        plans = loops()
+        assert plans and not any(p.fused for p in plans), [p.render() for p in plans]
+        expected = step_fn(mse, weights)(X, TARGET)
+        assert_close((value, grads), expected)
