@@ -201,6 +201,8 @@ class Row:
     warnings: str                       # warnings raised while tracing and measuring the rewritten function
     note: str
     mode: str = "forward"               # "forward" or "training" (a whole Adam step); absent in older results
+    naive_first_s: float | None = None  # the first call: trace + compile + first run (naive: passes off)
+    rewritten_first_s: float | None = None  # ... with tf_memsafe at limit_bytes (its trace runs the passes)
 
 
 # ---------------------------------------------------------------- workloads
@@ -492,6 +494,17 @@ def naive_function(fn, args) -> tuple[Callable, float]:
     return concrete, seconds
 
 
+def first_call(fn, args, reset: Callable[[], None]) -> float:
+    """Seconds of ``fn``'s first call on ``args`` (XLA compiles it, then it runs), its results read;
+    the state is reset before and after (a training step's variables)."""
+    reset()
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+    seconds = time.perf_counter() - start
+    reset()
+    return seconds
+
+
 def interleaved_medians(fns: dict[str, Callable | None], args, repeats: int,
                         reset: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Median seconds of each function, called in turn ``repeats`` times after a warm-up.
@@ -590,7 +603,8 @@ def measure(w: Workload | TrainingWorkload, case: str, limit: int, run_limit: in
         notes.append(f"naive not run: footprint over --run-limit {tf_memsafe.format_bytes(run_limit)}")
     # Where the naive program fits, the enabled function is timed even unchanged: that is the overhead.
     fns = {"naive": naive, "rewritten": rewritten if rewrites or case == "fits" else None, "hand": hand}
-    results = {name: w.outcome(fn, args) for name, fn in fns.items() if fn is not None}   # compiles
+    first = {name: first_call(fn, args, w.reset) for name, fn in fns.items() if fn is not None}   # compiles
+    results = {name: w.outcome(fn, args) for name, fn in fns.items() if fn is not None}
     times = interleaved_medians(fns, args, repeats, w.reset)
     naive_s, rewritten_s, hand_s = times.get("naive"), times.get("rewritten"), times.get("hand")
     reference = results.get("naive")
@@ -601,7 +615,10 @@ def measure(w: Workload | TrainingWorkload, case: str, limit: int, run_limit: in
         floor_bytes=floor, split=split.reason if split is not None else "",
         hand_chunk=plan[0] if plan else None, hand_steps=plan[1] if plan else None,
         hand_tail=plan[2] if plan else None, hand_chunk_source=source, hand_bytes=hand_bytes,
-        naive_trace_s=naive_trace_s, rewritten_trace_s=trace_s, naive_s=naive_s, rewritten_s=rewritten_s, hand_s=hand_s,
+        naive_trace_s=naive_trace_s, rewritten_trace_s=trace_s,
+        naive_first_s=naive_trace_s + first["naive"] if "naive" in first else None,
+        rewritten_first_s=trace_s + first["rewritten"] if "rewritten" in first else None,
+        naive_s=naive_s, rewritten_s=rewritten_s, hand_s=hand_s,
         ratio_vs_naive=rewritten_s / naive_s if rewritten_s and naive_s else None,
         speed_vs_hand=hand_s / rewritten_s if hand_s and rewritten_s else None,
         err_rewritten=error(results.get("rewritten"), reference), err_hand=error(results.get("hand"), reference),
@@ -668,7 +685,8 @@ def table(rows: list[Row]) -> str:
         return f"{x:.3f}" if x is not None else "-"
 
     head = (f"{'workload':17} {'mode':8} {'case':9} {'before':>9} {'after':>9} {'limit':>9} {'within':6} {'rw':>2} "
-            f"{'chunks':>13} {'naive ms':>9} {'tfms ms':>9} {'hand ms':>9} {'tfms/naive':>10} {'hand/tfms':>9}")
+            f"{'chunks':>13} {'naive ms':>9} {'tfms ms':>9} {'hand ms':>9} {'tfms/naive':>10} {'hand/tfms':>9} "
+            f"{'1st naive s':>11} {'1st tfms s':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         chunks = (f"{r.hand_steps}x{r.hand_chunk}" + (f"+{r.hand_tail}" if r.hand_tail else "")
@@ -676,7 +694,8 @@ def table(rows: list[Row]) -> str:
         lines.append(f"{r.workload:17} {r.mode:8} {r.case:9} {fmt(r.naive_bytes):>9} {fmt(r.rewritten_bytes):>9} "
                      f"{fmt(r.limit_bytes):>9} {'yes' if r.within_limit else 'NO':6} {r.rewrites:>2} {chunks:>13} "
                      f"{ms(r.naive_s):>9} {ms(r.rewritten_s):>9} {ms(r.hand_s):>9} "
-                     f"{ratio(r.ratio_vs_naive):>10} {ratio(r.speed_vs_hand):>9}")
+                     f"{ratio(r.ratio_vs_naive):>10} {ratio(r.speed_vs_hand):>9} "
+                     f"{ratio(r.naive_first_s):>11} {ratio(r.rewritten_first_s):>10}")
         if r.note:
             lines.append(f"{'':17} {'':8} note: {r.note}")
     return "\n".join(lines)

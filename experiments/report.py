@@ -167,14 +167,21 @@ def overhead_lines(data: dict) -> list[str]:
                      r.rewrites, mark(r.ratio_vs_naive, None if r.case != "fits" or r.ratio_vs_naive is None
                                       else r.ratio_vs_naive <= most.get(r.mode, most["forward"])),
                      mark(r.speed_vs_hand, None if r.speed_vs_hand is None else r.speed_vs_hand >= least),
-                     first_clause(r.note)])
+                     first_calls(r.naive_first_s, r.rewritten_first_s), first_clause(r.note)])
     training = any(r.mode == "training" for r in rows)
     return [f"Medians of {data.get('repeats', '?')} interleaved runs. Targets: tf_memsafe / naive time <= "
             f"{most['forward']}" + (f" (a whole training step: <= {most['training']})" if training else "")
             + f" where the program fits (case `fits`: limit = 2 x its footprint); hand-written / tf_memsafe speed >= "
             f"{least} beyond the limit (bold: missed).", "",
             *md_table(["workload", "size", "case", "mode", "naive", "tf_memsafe", "limit", "within", "rewrites",
-                       "time tfms/naive", "speed hand/tfms", "note"], body)]
+                       "time tfms/naive", "speed hand/tfms", "first call naive / tfms", "note"], body)]
+
+
+def first_calls(naive: float | None, rewritten: float | None) -> str:
+    """The first calls' seconds (trace, rewrite, compile, first run), "-" where not measured."""
+    if naive is None and rewritten is None:
+        return "-"
+    return f"{seconds(naive)} / {seconds(rewritten)}"
 
 
 def bench_rewrites_lines(data: dict) -> list[str]:

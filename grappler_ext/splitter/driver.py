@@ -581,22 +581,17 @@ class _Region:
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
-        # The gradients computed in the forward loop, slice by slice (one pass over the slices, not
-        # two), where the region's one output is a scalar the recorded gradients differentiate.
-        fused = (self.backward and gradients.differentiated(run.graph, [o.root for o in options])
-                 and mechanism.fusable(options, grown.region, ChunkPlan(chunks.length, backward_chunk, 0)))
-        forward_chunk = chunks.chunk
+        fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length, backward_chunk)
+        fused = chunks.chunk if fusable else None            # the forward's own chunk
         if (draws or fused) and backward_chunk < chunks.chunk:
-            # A slice's draw keys on its offset: the gradient's slices must be the forward's.  A
-            # fused loop holds a slice's gradient: the gradient's chunk.
+            # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
                                int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
-        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws,
-                          fused=forward_chunk if fused else None)
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None) -> set | None:
-        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``.
-        ``fused``: the loop computes the gradients as it goes (``fused`` is the forward's own chunk)."""
+        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
+        (``fused``: the forward's own chunk, where the loop computes the gradients as it goes)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
@@ -622,14 +617,10 @@ class _Region:
         # What each loop's body holds, for the memory model's view of the program as rewritten.
         joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
         room = run.grow_room.get(tensor.name, (0, 0))
-        for op in forward_loops:
-            if fused is None:
-                run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined
-            else:
-                # A slice and its gradient at once, and the inputs' gradients it sums or writes.
-                grads = sum(nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
-                run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
-                                                  chunks.chunk * best.planned.backward_unit - room[0])) + grads
+        for op in forward_loops:     # a fused loop: a slice and its gradient, and the inputs' gradients
+            run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined if fused is None else int(max(
+                room[1] * best.planned.backward_unit, chunks.chunk * best.planned.backward_unit - room[0])) + sum(
+                nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
         backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
         for op in backward_loops:
             # Grown into room the model did not see: counted as the rest less that room.

@@ -134,10 +134,14 @@ def combined(options, region: Region, plan: ChunkPlan):
     return combiner, specs, differentiable, counts
 
 
-def fusable(options, region: Region, plan: ChunkPlan) -> bool:
-    """Whether the loop for ``region`` can compute its gradients as it goes (:func:`.loop.fusable`:
-    one scalar floating output, combined by a sum or a mean)."""
-    combiner, specs, differentiable, _ = combined(options, region, plan)
+def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
+    """Whether the loop for ``region`` computes its gradients as it goes, in chunks of ``chunk``
+    (one pass over the slices instead of two): its one floating output is a scalar combined by a sum
+    or a mean (:func:`.loop.fusable`), and a gradient recorded inside the function differentiates
+    what is computed from it (else those gradients would only cost time)."""
+    if not gradients.differentiated(graph, [o.root for o in options]):
+        return False
+    combiner, specs, differentiable, _ = combined(options, region, ChunkPlan(length, chunk, 0))
     return differentiable and loop_fusable(combiner, specs) is not None
 
 
