@@ -60,6 +60,17 @@ with the projections held, 1.01 GB without).  Only ops whose every reader is the
 prologue or the gradients being rebuilt, stateless, with static shapes and results of at most a
 slice's share of the limit, are taken (:func:`.analysis.prologue`).
 
+Gradients as it goes (with gradients inside): where the region's one floating output is a scalar
+combined by a sum or a mean (the loss itself: a mean of squared errors, a kernel regression's, an
+InfoNCE loss) and a recorded gradient differentiates what is computed from it, the loop computes
+each slice's gradients in the same step as the slice, for an upstream gradient of one, and sums
+them (those of inputs read sliced are written and joined); the backward only multiplies them by
+the upstream scalar.  That is one pass over the slices, as a hand-written gradient accumulation
+makes, instead of a forward loop and a backward loop that computes every slice again
+(:func:`.loop.fusable`; ``LoopPlan.fused``).  Where a slice's share of the upstream gradient needs
+the whole result (a max, a softmax normaliser, an output that keeps the split axis) or nothing
+differentiates the output, the loop keeps its recomputing gradient.
+
 Programs checked with XLA (``Options.check_programs``): the model schedules the program in one
 topological order, while XLA's scheduler may interleave independent branches (a Transformer's
 encoder and decoder self-attention: the model counts one score tensor's worth of temporaries at a

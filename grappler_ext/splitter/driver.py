@@ -128,7 +128,8 @@ class _Run:
         if size is None:
             return None
         inputs = nominal.dynamic_inputs(self.graph)
-        shown = ", ".join(self._dimension(t.name) for t in inputs[:3]) + (", ..." if len(inputs) > 3 else "")
+        shown = (", ".join(nominal.dimension(self.graph, t.name) for t in inputs[:3])
+                 + (", ..." if len(inputs) > 3 else ""))
         with shapes.nominal(size):
             est, info = memory_model.analyse(self.graph)
             journal = graph_edit.active_journal()
@@ -157,7 +158,7 @@ class _Run:
         if est.dynamic_tensors:
             # The function's own inputs first: what the user chose (a None in an input_signature).
             names = [t.name for t in nominal.dynamic_inputs(self.graph)] or list(est.dynamic_tensors)
-            shown = ", ".join(self._dimension(name) for name in names[:3])
+            shown = ", ".join(nominal.dimension(self.graph, name) for name in names[:3])
             shown = f"dynamic shapes ({shown}{', ...' if len(names) > 3 else ''})"
             # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
             at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
@@ -248,18 +249,6 @@ class _Run:
                 f"; within the limit up to about {int(within):,}")
         return (f" (by the memory model, about {_mb(self.growth.base_bytes)} and {self.growth.per_unit:,.0f} B more "
                 f"for each unit of those dimensions{upto})")
-
-    def _dimension(self, name: str) -> str:
-        """A dynamic tensor as a person finds it: "`x:0` dimension 0 of [?, 3]"."""
-        try:
-            shape = self.graph.get_tensor_by_name(name).shape
-        except (KeyError, ValueError):
-            return f"`{name}`"
-        if shape.rank is None:
-            return f"`{name}` of unknown rank"
-        dims = [i for i, d in enumerate(shape.as_list()) if d is None]
-        text = "[" + ", ".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
-        return f"`{name}` dimension{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))} of {text}"
 
     def _warn(self) -> None:
         """The plan's warnings, each once, pointing at the pipeline that ran the pass."""
@@ -581,9 +570,12 @@ class _Region:
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
-        fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length, backward_chunk)
-        fused = chunks.chunk if fusable else None            # the forward's own chunk
-        if (draws or fused) and backward_chunk < chunks.chunk:
+        fused = chunks.chunk if self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
+                                                                    backward_chunk) else None   # the forward's chunk
+        if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
+            backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
+                lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True)) or backward_chunk
+        if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
                                int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
@@ -628,7 +620,7 @@ class _Region:
                                               backward_chunk * best.planned.backward_unit - room[0]))
         gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
             fused is not None and backward_chunk < fused)
-        if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning):
+        if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning, fused):
             run.starved[tensor.name] = backward_chunk
         if sized.sizing == Sizing.PROGRAM_FIGURE:
             run.program_sized += 1

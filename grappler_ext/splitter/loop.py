@@ -15,6 +15,12 @@ builds, in the region's graph:
   gradients of sliced inputs are written slice by slice and joined, those of inputs used whole
   are summed.  So no full-size intermediate exists in the backward either.
 
+Where the region's one floating output is a scalar combined by a sum or a mean and the gradients
+inside the function differentiate it (the loss), ``forward`` can do both at once
+(:func:`_fused_forward`): each step computes its slice and that slice's gradients for an upstream
+of one, summed (or written, for inputs read sliced) in the loop's carry, and ``backward`` only
+multiplies them by the upstream scalar.  A slice is then computed once, not twice.
+
 Why ``custom_gradient``: with the tape outside a ``jit_compile=True`` function, TensorFlow's own
 gradient of a while loop stacks the loop's intermediates in TensorLists that cross the XLA/TF
 boundary, which XLA rejects; a custom gradient whose backward recomputes avoids that (measured
@@ -64,7 +70,7 @@ from grappler_ext.splitter.slicing import (
     valid_rows,
 )
 
-__all__ = ["Region", "build_split", "forward_program", "external_inputs", "fusable"]
+__all__ = ["Region", "build_split", "forward_program", "fused_program", "external_inputs", "fusable"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -411,6 +417,27 @@ def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]) -> int |
     if len(floating) != 1 or partial_specs[floating[0]].shape.num_elements() != 1:
         return None
     return floating[0]
+
+
+def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]):
+    """``(external, fused)``: as :func:`forward_program`, for the loop that computes its gradients as
+    it goes (:func:`fusable`); ``fused(*values)`` returns the outputs, then the inputs' gradients
+    (so that a compile of it alone keeps them)."""
+    external = external_inputs(region)
+    build = _slice_builder(region, external)
+    floating = [t.dtype.is_floating or t.dtype.is_complex for t in external]
+    axes = [region.sliced_inputs.get(t.ref()) for t in external]
+    read_whole = [t.ref() in region.whole_inputs for t in external]
+    target = fusable(combiner, partial_specs)
+    if target is None:
+        raise ValueError("the loop cannot compute its gradients as it goes")
+
+    def fused(*values):
+        outputs, totals = _fused_forward(region, build, external, axes, read_whole, values, combiner, partial_specs,
+                                         chunk, floating, target)
+        return list(outputs) + [g for g in totals if g is not None]
+
+    return external, fused
 
 
 def _fused_forward(region, build, external, axes, read_whole, values, combiner, partial_specs, chunk, floating,

@@ -21,7 +21,7 @@ from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
 from grappler_ext.splitter import combiners, rules, slicing
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
-from grappler_ext.splitter.loop import Region, build_split, forward_program
+from grappler_ext.splitter.loop import Region, build_split, forward_program, fused_program
 from grappler_ext.splitter.loop import fusable as loop_fusable
 
 __all__ = ["combined", "fusable", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
@@ -194,12 +194,13 @@ def _fold_shape_readers(ops) -> None:
                         graph_edit.replace_uses(out, tf.constant(value, dtype=out.dtype))
 
 
-def loop_figure(measurer: Measurer, options, region: Region, chunk: int) -> int:
+def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False) -> int:
     """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
-    built as a function of the region's inputs and compiled by ``measurer`` (never run)."""
+    built as a function of the region's inputs and compiled by ``measurer`` (never run).  ``fused``:
+    the loop that computes its gradients as it goes, with them."""
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
-    external, forward = forward_program(region, plan.chunk, combiner, specs)
+    external, forward = (fused_program if fused else forward_program)(region, plan.chunk, combiner, specs)
     # Dimensions known only at run time are compiled at the nominal size the plan is made at.
     if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
         raise ValueError("an input without a static shape or of a handle type")

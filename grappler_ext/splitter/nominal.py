@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
 
-__all__ = ["Growth", "dynamic_inputs", "needs_at", "growth", "nominal_size"]
+__all__ = ["Growth", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 
@@ -49,6 +49,19 @@ def dynamic_inputs(graph) -> list[tf.Tensor]:
     """The function's own inputs with dimensions known only at run time (what the user chose: a
     ``None`` in an ``input_signature``, a batch from ``tf.data``)."""
     return [t for t in graph.inputs if t.dtype not in (tf.resource, tf.variant) and not t.shape.is_fully_defined()]
+
+
+def dimension(graph, name: str) -> str:
+    """A dynamic tensor as a person finds it: "`x:0` dimension 0 of [?, 3]"."""
+    try:
+        shape = graph.get_tensor_by_name(name).shape
+    except (KeyError, ValueError):
+        return f"`{name}`"
+    if shape.rank is None:
+        return f"`{name}` of unknown rank"
+    dims = [i for i, d in enumerate(shape.as_list()) if d is None]
+    text = "[" + ", ".join("?" if d is None else str(d) for d in shape.as_list()) + "]"
+    return f"`{name}` dimension{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))} of {text}"
 
 
 def needs_at(graph, size: int) -> int | None:

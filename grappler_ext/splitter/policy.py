@@ -28,8 +28,7 @@ from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
 from grappler_ext.splitter.tuning import Tuning
 
 __all__ = ["Beside", "Planned", "Sized", "plan", "rank", "leaves", "reaches_on", "calibrated", "capped",
-           "split_anyway", "at_least",
-           "starved"]
+           "split_anyway", "at_least", "starved", "fused_grown"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,12 +370,37 @@ def at_least(chunk: int, length: int, k: int) -> int | None:
     return chunk if chunk >= k else None
 
 
-def starved(chunks: ChunkPlan, backward_chunk: int, tuning: Tuning) -> bool:
+def starved(chunks: ChunkPlan, backward_chunk: int, tuning: Tuning, fused: int | None = None) -> bool:
     """Whether a gradient loop in chunks of ``backward_chunk`` is starved: many steps, each a small
-    part of its forward's (each step rewrites the gradients of the inputs the loop reads whole)."""
+    part of its forward's (each step rewrites the gradients of the inputs the loop reads whole).
+    ``fused``: the forward's chunk of a loop that computes its gradients as it goes in chunks of
+    ``backward_chunk`` (each step a slice's forward and backward: small products on a CPU)."""
     backward_steps = -(-chunks.length // backward_chunk)
+    if fused is not None:
+        return backward_steps >= tuning.fused_starved_steps and backward_chunk < fused
     return (backward_steps >= tuning.starved_steps
             and backward_chunk * tuning.backward_cost_factor < chunks.chunk)
+
+
+def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
+                loop_figure: Callable[[int], int]) -> int | None:
+    """The chunk of a loop computing its gradients as it goes, grown into ``room`` (bytes XLA's figure
+    for the program as split left under the limit, and the chunk the loop had then): its bytes a row
+    from XLA's figures for the loop alone at that chunk and twice it (``loop_figure``), kept on the
+    safe side by ``Tuning.calibration_margin``; two steps at least.  ``None`` where the figures do
+    not say (a failed compile, a figure that does not grow)."""
+    extra, chunk = room
+    second = min(2 * chunk, length // 2)
+    if second <= chunk:
+        return None
+    try:
+        first_bytes, second_bytes = (loop_figure(c) for c in (chunk, second))
+    except Exception:  # noqa: BLE001 - the plan without the room stands
+        return None
+    per_row = (second_bytes - first_bytes) / (second - chunk)
+    if per_row <= 0:
+        return None
+    return at_least(min(chunk + int(extra * tuning.calibration_margin / per_row), length // 2), length, k)
 
 
 def remat_worthwhile(chunks: ChunkPlan, held: int, budget: int, tuning: Tuning) -> bool:
