@@ -16,9 +16,11 @@ on the CPU the allocator rounds regions up, so it is an upper bound of XLA's fig
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import inspect
 import os
 import re
@@ -161,20 +163,63 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
             return _read_total_bytes(folder, concrete.name)
 
 
+_FIGURES: collections.OrderedDict[str, int] = collections.OrderedDict()   # program fingerprint -> figure
+_FIGURES_KEPT = 4096
+
+
+def program_fingerprint(graph_def: graph_pb2.GraphDef) -> str:
+    """A digest of a traced program that names do not change: its functions (loop bodies, branches)
+    renamed in the order the graph first refers to them, so that two loops built alike (a model's
+    identical layers, a region planned again) have the same fingerprint."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    order: dict[str, str] = {}
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            for key in sorted(node.attr):
+                value = node.attr[key]
+                for name in [value.func.name] + [f.name for f in value.list.func]:
+                    if name in library and name not in order:
+                        order[name] = f"fn{len(order)}"
+                        visit(library[name].node_def)
+
+    visit(graph_def.node)
+    main = graph_pb2.GraphDef()
+    main.CopyFrom(graph_def)
+    main.ClearField("library")
+    # The library in that order (TensorFlow keeps it sorted by name, numbers included).
+    data = b"".join([main.SerializeToString(deterministic=True)]
+                    + [library[name].SerializeToString(deterministic=True) for name in order])
+    for name in sorted(order, key=len, reverse=True):        # while_body_108 before while_body_10
+        data = data.replace(name.encode(), order[name].encode())
+    return hashlib.sha256(data).hexdigest()
+
+
 def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec) -> int:
     """XLA's "Total bytes used" for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``,
     traced with tf_memsafe's hook suspended: the figure of exactly the program ``fn`` builds.
 
     Compiled, never run.  The splitter measures its loops with it (through :class:`XlaMeasurer`).
+    A program traced alike before (:func:`program_fingerprint`: the same loop of another layer, or
+    planned again) is not compiled again: its figure is remembered (the last ``_FIGURES_KEPT``).
     Raises ``MeasurementError``, without asking XLA, when ``fn`` captures a variable that is not
     initialized yet.
     """
     with hook.suspended():
         concrete = fn.get_concrete_function(*specs)
         _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
+        key = program_fingerprint(concrete.graph.as_graph_def()) + repr(
+            [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
+        if key in _FIGURES:
+            _FIGURES.move_to_end(key)
+            return _FIGURES[key]
         with xla_flags.dump_for_one_compile() as folder:
             fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
-            return _read_total_bytes(folder, concrete.name)
+            figure = _read_total_bytes(folder, concrete.name)
+        _FIGURES[key] = figure
+        while len(_FIGURES) > _FIGURES_KEPT:
+            _FIGURES.popitem(last=False)
+        return figure
 
 
 def graph_bytes(graph) -> int:

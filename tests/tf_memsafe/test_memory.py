@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_memsafe
 from grappler_ext.pipeline import Pipeline
 from tests.fakes import CountingPass
-from tf_memsafe import hook, xla_flags
+from tf_memsafe import hook, memory, xla_flags
 
 F32 = 4
 
@@ -275,3 +275,34 @@ def test_another_threads_compile_in_the_dump_folder_does_not_count(tmp_path):
     assert _read_total_bytes(str(tmp_path), b"__inference_knn_123") == 1000
     assert _read_total_bytes(str(tmp_path), "__inference_train_step_1234") == 50_000
     assert _read_total_bytes(str(tmp_path)) == 51_000              # no name: every program dumped
+
+
+class TestProgramsMeasuredOnce:
+    """A program traced alike again (the same loop of another layer, a region planned again) is not
+    compiled again: its fingerprint ignores the names TensorFlow numbers (loop bodies, branches)."""
+
+    @staticmethod
+    def loop(rows):
+        def fn(x):
+            def body(i, acc):
+                piece = tf.slice(x, [i * rows, 0], [rows, 64])
+                return i + 1, acc + tf.reduce_sum(tf.exp(piece @ tf.transpose(x)))
+            return tf.while_loop(lambda i, acc: i < 4096 // rows, body, (0, 0.0))[1]
+        return tf.function(fn, jit_compile=True, autograph=False)
+
+    def test_loops_built_alike_have_one_fingerprint_and_others_another(self):
+        spec = tf.TensorSpec([4096, 64])
+        prints = [memory.program_fingerprint(self.loop(rows).get_concrete_function(spec).graph.as_graph_def())
+                  for rows in (256, 256, 512)]
+        assert prints[0] == prints[1] != prints[2]
+
+    def test_a_program_measured_again_is_not_compiled_again(self, monkeypatch):
+        spec = tf.TensorSpec([4096, 64])
+        compiles = []
+        real = xla_flags.dump_for_one_compile
+        monkeypatch.setattr(xla_flags, "dump_for_one_compile", lambda: (compiles.append(1), real())[1])
+        first = memory.compiled_bytes(self.loop(128), spec)
+        again = memory.compiled_bytes(self.loop(128), spec)           # another tf.function, built alike
+        other = memory.compiled_bytes(self.loop(1024), spec)
+        assert first == again and len(compiles) == 2
+        assert other > first                                          # [1024, 4096] slices, not [128, 4096]
