@@ -77,10 +77,13 @@ class Rise:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """Whether memory rewrites may run on a program: ``fits`` (they may not) and the one-line why."""
+    """Whether memory rewrites may run on a program: ``fits`` (they may not) and the one-line why;
+    ``decided`` false: the memory model alone cannot say, and XLA was not asked (see
+    :meth:`Guard.verdict`)."""
 
     fits: bool
     reason: str
+    decided: bool = True
 
 
 class Guard:
@@ -109,9 +112,10 @@ class Guard:
         est, _ = memory_model.analyse(graph)
         return None if est.dynamic_tensors else est.peak_bytes
 
-    def verdict(self, graph, options) -> Verdict | None:
+    def verdict(self, graph, options, measure: bool = True) -> Verdict | None:
         """Whether ``graph`` fits its limit as it stands; ``None`` where nothing can be judged (no
-        limit; no count from the model and no figure from XLA)."""
+        limit; no count from the model and no figure from XLA).  ``measure`` false: where XLA's
+        figure would decide, an undecided verdict instead of a compile."""
         limit = options.memory_limit_bytes
         if limit is None:
             return None
@@ -122,6 +126,8 @@ class Guard:
         checker = self._checker(options)
         if model is not None and (model < self.check_from * limit or checker is None):
             return Verdict(True, f"about {model:,} B of {limit:,} B by the memory model")
+        if not measure:
+            return Verdict(False, "XLA's figure decides", decided=False)
         figure = program_figure(checker, graph)
         if not figure.known:
             if model is None:

@@ -171,21 +171,26 @@ class Pipeline:
         """``p.run`` as the guard allows: not on a program within its limit as traced; undone where
         the program's figure rose with it (:mod:`grappler_ext.guard`)."""
         if not run.judged:
-            run.verdict, run.judged = self.guard.verdict(graph, options), True
-        fits = run.verdict
-        if fits is not None and fits.fits:
-            result = PassResult(p.name)
-            if p.name not in run.told:          # said once a run, not at every iteration
-                run.told.add(p.name)
-                result.skip([], f"left alone: the program is within its limit as traced ({fits.reason}); "
-                                "rewrites made for memory change only programs over it", code=GuardCode.FITS)
-            return result
+            # Judged now where the memory model decides alone; where XLA's figure must, once a pass
+            # has changed the program (most find nothing to rewrite: no compile then).
+            verdict = self.guard.verdict(graph, options, measure=False)
+            if verdict is None or verdict.decided:
+                run.verdict, run.judged = verdict, True
+        if run.judged and run.verdict is not None and run.verdict.fits:
+            return self._fits(p, run)
         measures = self.guard.measures(options)
         before = None if measures else self.guard.standing(graph, options)
         mark = len(journal)
         result = p.run(graph, options)
         if not isinstance(result, PassResult) or not result.changed:
             return result
+        if not run.judged:
+            # The program as traced judged now, the pass's edits undone; run again if it may.
+            journal.undo(to=mark)
+            run.verdict, run.judged = self.guard.verdict(graph, options), True
+            if run.verdict is not None and run.verdict.fits:
+                return self._fits(p, run)
+            result = p.run(graph, options)
         after = self.guard.standing(graph, options)
         if measures:
             # XLA's figure before the pass: its edits undone to compile the program as it was.
@@ -202,6 +207,16 @@ class Pipeline:
         undone.skip(ops, f"undone: {worse}; {len(result.rewritten)} rewrite(s) by its own count "
                          f"({'; '.join(r.reason for r in result.rewritten)[:300]})", code=GuardCode.ROSE, plan=worse)
         return undone
+
+    @staticmethod
+    def _fits(p: GraphPass, run: _GuardedRun) -> PassResult:
+        """``p`` left alone on a program within its limit as traced: said once a run."""
+        result = PassResult(p.name)
+        if p.name not in run.told:
+            run.told.add(p.name)
+            result.skip([], f"left alone: the program is within its limit as traced ({run.verdict.reason}); "
+                            "rewrites made for memory change only programs over it", code=GuardCode.FITS)
+        return result
 
     @staticmethod
     def _dump(graph, options, step: int, pass_name: str, when: str) -> None:

@@ -162,6 +162,25 @@ def test_in_the_check_band_xlas_figure_decides(figure, fits):
     assert len(measurer.calls) == 1
 
 
+def test_in_the_check_band_xla_is_asked_only_once_a_memory_pass_has_changed_the_program():
+    """Most memory passes find nothing to rewrite: no compile then (a Transformer's training step
+    spent 6.4 s on one).  One that fires is judged on the program as traced, its edits undone."""
+    from grappler_ext.pairwise_distance import PairwiseDistance
+
+    g = trace(sum_of_product, A, B)
+    as_traced = format_graph(g)
+    limit = int(Guard.model_bytes(g) / 0.5)
+    measurer = FakeMeasurer(program=lambda _: limit // 2)
+    result = Pipeline([PairwiseDistance()], guard=Guard(measurer)).run(g, make_options(memory_limit_bytes=limit))
+    assert not result.changed and measurer.calls == []
+    assert not any(r.code is Code.FITS for pr in result.results for r in pr.records)
+    result = Pipeline([ReduceOfProduct()], guard=Guard(measurer)).run(g, make_options(memory_limit_bytes=limit))
+    assert not result.changed and len(measurer.calls) == 1
+    assert format_graph(g) == as_traced
+    (fits,) = [r for pr in result.results for r in pr.records if r.code is Code.FITS]
+    assert "XLA's figure is" in fits.reason
+
+
 def test_the_guard_and_the_splitter_share_one_compile_of_the_program_as_traced():
     g = trace(sum_of_product, A, B)
     limit = int(Guard.model_bytes(g) / 0.5)

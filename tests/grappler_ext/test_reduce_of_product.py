@@ -38,7 +38,7 @@ class _Unjudged(Guard):
     """The pass's own rule, unguarded: XLA:CPU fuses a float32 sum of a dot itself, so the pipeline's
     guard undoes some of these rewrites under XLA (tests/grappler_ext/test_guard.py has its tests)."""
 
-    def verdict(self, graph, options):
+    def verdict(self, graph, options, measure=True):
         return None
 
     @staticmethod
