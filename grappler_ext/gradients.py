@@ -150,11 +150,13 @@ def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
             # Each new result takes the old one's form: slices where the old was slices (a dense
             # gradient of an embedding is the slices' scatter, which the old readers did not read).
             new = [_like(old, fresh) for old, fresh in zip(record.results, new)]
+        # Their ancestors once for all of them (not once a result: a Transformer's step has hundreds).
+        upstream = graph_query.ancestors([f for fresh in new if fresh is not None for f in _components(fresh)])
         for i, (old, fresh) in enumerate(zip(record.results, new)):
             if fresh is None or old is None:
                 continue
             for o, f in zip(_components(old), _components(fresh)):
-                graph_edit.replace_uses(o, f)
+                graph_edit.replace_uses(o, f, upstream=upstream)
             record.results[i] = fresh
             graph_edit.on_undo(lambda results=record.results, i=i, old=old: results.__setitem__(i, old))
         done += 1

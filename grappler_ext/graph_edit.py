@@ -181,16 +181,20 @@ def set_output(graph, index: int, new: tf.Tensor) -> None:
     _record(_OutputEdit(graph, index, old, old_structured))
 
 
-def replace_uses(old: tf.Tensor, new: tf.Tensor, *, graph=None, include_outputs: bool = True) -> int:
+def replace_uses(old: tf.Tensor, new: tf.Tensor, *, graph=None, include_outputs: bool = True,
+                 upstream: set | None = None) -> int:
     """Make every reader of ``old`` read ``new`` instead; return how many edges moved.
 
     Readers that ``new`` itself depends on (typically the ops that compute ``new`` from ``old``)
     keep reading ``old``: rewiring them would make a cycle.  All checks run before any change.
+    ``upstream``: ``new``'s ancestors, or a superset of them that no edit since has grown (the
+    ancestors of several new tensors, computed once for all of them: rewiring readers that are
+    not among them changes no ancestor of theirs).
     """
     if new is old:
         return 0
     _check_compatible(old, new)
-    upstream = graph_query.ancestors([new])
+    upstream = graph_query.ancestors([new]) if upstream is None else upstream
     edges = [(op, i) for op, i in consumers(old) if op not in upstream]
     graph = graph if graph is not None else old.graph
     output_slots = []

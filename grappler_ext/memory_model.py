@@ -59,7 +59,7 @@ from collections.abc import Iterable, Mapping
 
 import tensorflow as tf
 
-from grappler_ext import shapes
+from grappler_ext import graph_edit, shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.memory_rules import (  # the public names are re-exported: callers read memory_model.Rule etc.
     NO_RULE_REASONS,
@@ -414,8 +414,27 @@ def estimate(graph, rules: Mapping[str, Rule] | None = None) -> Estimate:
     return analyse(graph, rules)[0]
 
 
+_MEMO = "_tf_memsafe_analysis"
+
+
 def analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, dict[str, TensorInfo]]:
-    """:func:`estimate` and :func:`annotate` of ``graph`` from one analysis."""
+    """:func:`estimate` and :func:`annotate` of ``graph`` from one analysis.
+
+    Within a journaled run (a pipeline's), a graph not edited since its last analysis with the
+    default rules at the same nominal size is not analysed again (the hook, the guard and the
+    splitter each ask for the program as traced).  The result is shared: read it, never change it."""
+    journal = graph_edit.active_journal()
+    key = (journal, None if journal is None else journal.version, shapes.nominal_size())
+    memo = getattr(graph, _MEMO, None) if rules is None else None
+    if journal is not None and memo is not None and memo[0][0] is journal and memo[0][1:] == key[1:]:
+        return memo[1]
+    result = _analyse(graph, rules)
+    if journal is not None and rules is None:
+        setattr(graph, _MEMO, (key, result))
+    return result
+
+
+def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, dict[str, TensorInfo]]:
     a = _Analysis(graph, RULES if rules is None else rules)
     info, order = a.info, a.order
     # A dynamic output nothing reads (FusedBatchNormV3's reserve space) costs nothing XLA keeps.

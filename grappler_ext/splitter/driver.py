@@ -563,7 +563,7 @@ class _Region:
         if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fused:
             sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
                                       lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
-                                      large_joins=run.relaxed)
+                                      large_joins=run.relaxed, model_per_unit=per_unit)
             if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)

@@ -94,6 +94,7 @@ class Sizing(str, enum.Enum):
     MODEL_NO_SECOND_SIZE = "model_no_second_size"   # no second chunk size to compare with
     MODEL_MEASURE_FAILED = "model_measure_failed"   # compiling the loop failed (``detail``: the error's type)
     MODEL_NOT_GROWING = "model_not_growing"         # XLA's figure does not grow with the chunk
+    MODEL_IMPLAUSIBLE = "model_implausible"         # ... grows by a tiny share of the model's count a row
     MODEL_MEASURED_REFUSED = "model_measured_refused"  # with XLA's figure no plan (``detail``: why)
     LOOP_FIGURE = "loop_figure"            # XLA's figure for the loop alone at two chunks, with a margin
     PROGRAM_FIGURE = "program_figure"      # XLA's figure for the loop, which is the whole program
@@ -219,6 +220,8 @@ class LoopPlan:
         why = {Sizing.MODEL_NO_SECOND_SIZE: "no second chunk size to compare with",
                Sizing.MODEL_MEASURE_FAILED: f"measuring the loop failed: {self.sizing_detail}",
                Sizing.MODEL_NOT_GROWING: "XLA's figure does not grow with the chunk",
+               Sizing.MODEL_IMPLAUSIBLE: f"XLA's figure for the loop alone grows by {self.sizing_detail}, which "
+                                         "the program will not keep to",
                Sizing.MODEL_MEASURED_REFUSED: f"with XLA's figure: {self.sizing_detail}"}[s]
         return f"; chunk from the memory model ({why})"
 

@@ -280,7 +280,7 @@ def rest_beside(grown: Grown, beside: Beside, limit: int, tuning: Tuning) -> int
 
 
 def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget: int, tuning: Tuning,
-               loop_figure: Callable[[int], int], large_joins: bool = False) -> Sized:
+               loop_figure: Callable[[int], int], large_joins: bool = False, model_per_unit: float = 0.0) -> Sized:
     """The plan again, its chunk sized from XLA's figure for the loop (``loop_figure(chunk)``: the
     loop alone compiled at that chunk, never run); or the plan as it was, with why.
 
@@ -302,6 +302,11 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     per_row = (figures[1] - figures[0]) / (second - first)
     if per_row <= 0:
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NOT_GROWING)
+    if per_row < tuning.calibration_floor * model_per_unit:
+        # The loop alone fused what the program will not (kNN's top-k along the points: 2.6 B a row
+        # alone, 45.7 kB by the model, 129 MB as the program's loop): the model's plan stands.
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_IMPLAUSIBLE,
+                                   detail=f"{per_row:,.1f} B a row against the memory model's {model_per_unit:,.0f} B")
     rest = rest_beside(grown, beside, budget, tuning)
     if rest is not None:
         try:

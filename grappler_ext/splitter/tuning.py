@@ -33,6 +33,10 @@ class Tuning:
       calibration_margin: a loop's bytes a row measured by compiling it alone are divided by this:
         XLA packs the rest of the program around the loop less tightly than the loop alone (a
         Transformer's three attention loops needed 1.22x their standalone figures).
+      calibration_floor: a loop's bytes a row measured alone under this share of the memory model's
+        count are not believed (XLA fused the loop alone in a way the program does not: kNN's top-k along
+        the points, 2.6 B a row alone against 45.7 kB by the model, 129 MB as the program's loop; rows of
+        the queries measure 70 % of the model's count).
       whole_program_margin: a loop that is all the program holds (no gradients inside, no other
         large tensor, the rest under ``min_tensor_fraction`` of the limit: a kNN search, a kernel
         sum) is sized from XLA's figure for it, up to this share of the limit, and checked by
@@ -81,6 +85,7 @@ class Tuning:
     pool_margin: float = 0.8
     model_trust: float = 0.8
     calibration_margin: float = 0.7
+    calibration_floor: float = 0.02
     whole_program_margin: float = 0.95
     check_from: float = 0.3
     replan_margin: float = 0.95

@@ -525,3 +525,25 @@ class TestAgainstXLA:
     def test_most_are_within_five_percent(self, ratios):
         close = [k for k, r in ratios.items() if 0.95 <= r <= 1.05]
         assert len(close) >= len(ratios) - 1, {k: round(r, 3) for k, r in ratios.items()}
+
+
+def test_a_graph_not_edited_since_is_not_analysed_again_within_a_journaled_run(monkeypatch):
+    """The hook, the guard and the splitter each ask for the program as traced: one analysis."""
+    from grappler_ext import graph_edit, memory_model
+
+    g = tf.function(lambda a: tf.reduce_sum(tf.exp(a) * 2.0), jit_compile=True).get_concrete_function(
+        tf.TensorSpec([100, 100])).graph
+    runs = []
+    real = memory_model._analyse
+    monkeypatch.setattr(memory_model, "_analyse", lambda *a: (runs.append(1), real(*a))[1])
+    with graph_edit.journaled(graph_edit.Journal()):
+        first = memory_model.analyse(g)
+        assert memory_model.analyse(g) is first and len(runs) == 1
+        exp = next(op for op in g.get_operations() if op.type == "Exp")
+        graph_edit.replace_uses(exp.outputs[0], exp.inputs[0])         # an edit: analysed again
+        after = memory_model.analyse(g)
+        assert len(runs) == 2 and after is not first
+        assert memory_model.analyse(g, dict(memory_model.RULES)) is not after and len(runs) == 3   # other rules
+    memory_model.analyse(g)                                            # outside a journaled run: always
+    memory_model.analyse(g)
+    assert len(runs) == 5

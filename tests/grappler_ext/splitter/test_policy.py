@@ -100,12 +100,13 @@ class TestRank:
 class TestCalibrated:
     """XLA's figure for the loop, faked as a line: ``fixed + per_row * chunk``."""
 
-    def sized(self, region, loop_figure, limit=8 * 10**6, hoped=None):
+    def sized(self, region, loop_figure, limit=8 * 10**6, hoped=None, model_per_unit=0.0):
         options, grown, beside = region
         if hoped is not None:
             beside = dataclasses.replace(beside, hoped=hoped)
         chunks = policy.plan(options, grown, beside, limit, DEFAULT_TUNING).chunks
-        return chunks, policy.calibrated(options, grown, chunks, beside, limit, DEFAULT_TUNING, loop_figure)
+        return chunks, policy.calibrated(options, grown, chunks, beside, limit, DEFAULT_TUNING, loop_figure,
+                                         model_per_unit=model_per_unit)
 
     def test_the_bytes_a_row_come_from_two_chunk_sizes(self, region):
         """Another large tensor hoped for (so the loop is not the whole program): the margins' plan,
@@ -138,6 +139,17 @@ class TestCalibrated:
     def test_a_figure_that_does_not_grow_is_not_believed(self, region):
         chunks, sized = self.sized(region, lambda c: 10**6)
         assert sized.sizing == Sizing.MODEL_NOT_GROWING and sized.chunks == chunks
+
+    def test_a_figure_growing_by_a_sliver_of_the_models_count_is_not_believed(self, region):
+        """kNN's top-k along the points: the loop alone 2.6 B a row, the model 45.7 kB, the program
+        as split 129 MB over a 2.6 MB limit.  Above the floor (rows of the queries: 70 % of the
+        model's count) the figure is taken."""
+        chunks, sized = self.sized(region, lambda c: 10**6 + 3 * c, model_per_unit=45_000.0)
+        assert sized.sizing == Sizing.MODEL_IMPLAUSIBLE and sized.chunks == chunks
+        assert "3.0 B a row against the memory model's 45,000 B" in sized.detail
+        _, taken = self.sized(region, lambda c: 10**5 + 32_000 * c, model_per_unit=45_000.0,
+                              hoped=frozenset({"elsewhere:0"}))
+        assert taken.sizing == Sizing.LOOP_FIGURE
 
 
 def test_capped_split_anyway_at_least_and_starved():
