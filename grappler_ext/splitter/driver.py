@@ -90,9 +90,10 @@ class _Run:
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
+        self.replayed: Figure | None = None              # a plan built again: its figure, known
 
     def figure(self) -> Figure:
-        return program_figure(self.checker, self.graph)
+        return self.replayed or program_figure(self.checker, self.graph)
 
     # --- the program as a whole ------------------------------------------------------------------
 
@@ -387,7 +388,11 @@ class _Run:
                            f"margin; with that room, {grown_figure.bytes:,} B", code=Code.GROWN,
                        plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
             return grown, grown_after, grown_figure.bytes
-        again, after, _ = replan()
+        self.replayed = figure               # the first plan again (the same decisions): its figure is known
+        try:
+            again, after, _ = replan()
+        finally:
+            self.replayed = None
         shown = (f"{grown_figure.bytes:,} B, over the limit" if grown_figure.known else
                  f"not checked with XLA: {grown_figure.failure}" if grown_figure.failure else "")
         again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "

@@ -72,7 +72,8 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
     step (the [400, 400] kernel's gradient) beside the gradient loop that it leaves it 50 rows a
     step against the forward's 263 (400 steps); XLA's figure for the program as split leaves room
     under the limit, so the gradient loop is planned again with that room, and checked again: kept
-    within the limit, or (its figure faked over the limit) the first plan built again."""
+    within the limit, or (its figure faked over the limit) the first plan built again, its figure
+    known."""
     xla = XlaMeasurer()
     measured = iter([xla.program_bytes])                 # the first plan's figure is XLA's own
     measurer = xla if xla_agrees else FakeMeasurer(program=lambda graph: next(measured, lambda g: 10**9)(graph))
@@ -97,6 +98,8 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
             assert grown.code == Code.GROWN and split.plan.backward_chunk >= 2 * starved, (grown.reason, split.reason)
         else:
             assert grown.code == Code.NOT_GROWN and split.plan.backward_chunk == starved, (grown.reason, split.reason)
+            # The first plan and the grown one compiled; the first built again is not compiled again.
+            assert len(measurer.calls) == 2
         assert_close(got, expected, 1e-10)
         if xla_agrees:
             assert tf_memsafe.memory_footprint(loss_and_grads) <= limit
