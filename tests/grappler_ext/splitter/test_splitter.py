@@ -751,6 +751,7 @@ class TestRandomDrawsRedrawn:
             return loss, tape.gradient(loss, weights)
 
         _gradient_matches_central_differences(loss_and_grads, (x,), weights, rng)
+        assert any(r.plan.fused for r in rewrites())        # the mask drawn and differentiated in one step
 
 class TestKeyedDrawsRedrawn:
     """A stateless draw keyed by a tensor of the program (Keras 3's dropout: ``StatelessRandomUniformV2``
@@ -803,6 +804,7 @@ class TestKeyedDrawsRedrawn:
             return loss, tape.gradient(loss, weights)
 
         _gradient_matches_central_differences(loss_and_grads, (x, seed), weights, rng)
+        assert any(r.plan.fused for r in rewrites())
 
 
 def test_idempotent():
