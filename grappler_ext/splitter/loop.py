@@ -342,22 +342,10 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
         combiner = combiner.at_length(length)
 
     def slice_grads(offset, size):
-        # Symbolic gradients in the body's graph: a GradientTape would not record here, because
-        # TensorFlow stops every tape while it runs a gradient function.
-        inner = [tf.identity(v) for v in values]
-        # The slices from identities of their own: tf.gradients with respect to ``inner`` would
-        # otherwise add the slices' part again to an input read both ways.
-        partials, sliced = build(inner, offset, size, sliced_from=[tf.identity(v) for v in values], length=length)
-        ups = combiner.slice_upstream(upstream, outputs, partials, offset, size)
-        targets = [p for p, u in zip(partials, ups) if u is not None]
-        ups = [u for u in ups if u is not None]
-        sources = ([s for s, f in zip(sliced, floating) if s is not None and f]
-                   + [v for v, w, f in zip(inner, read_whole, floating) if w and f])
-        grads = tf.gradients(targets, sources, grad_ys=ups) if targets else [None] * len(sources)
-        grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
-        it = iter(grads)
-        sliced_grads = [next(it) if s is not None and f else None for s, f in zip(sliced, floating)]
-        whole_grads = [next(it) if w and f else None for w, f in zip(read_whole, floating)]
+        _, sliced_grads, whole_grads, _ = _slice_gradients(
+            lambda inner, _, sliced_from: build(inner, offset, size, sliced_from=sliced_from, length=length),
+            values, [], floating, [w and f for w, f in zip(read_whole, floating)],
+            lambda partials: combiner.slice_upstream(upstream, outputs, partials, offset, size))
         return sliced_grads, whole_grads
 
     # Only floating inputs have gradients (a boolean mask read whole has none).
@@ -463,24 +451,11 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     unit = [tf.ones(s.shape, s.dtype) if i == target else None for i, s in enumerate(partial_specs)]
 
     def slice_step(offset, size):
-        # Identities to differentiate with respect to, as in _backward: an input read both ways
-        # gets its sliced part through the slices and its whole part through ``inner``.
-        inner = [tf.identity(v) for v in values]
-        inner_derived = {ref: tf.identity(derived[ref]) for ref in keys}
-        partials, sliced = build(inner, offset, size, {**derived, **inner_derived},
-                                 sliced_from=[tf.identity(v) for v in values], length=length)
-        ups = folding.slice_upstream(unit, None, partials, offset, size)
-        targets = [p for p, u in zip(partials, ups) if u is not None]
-        ups = [u for u in ups if u is not None]
-        sources = ([s for s, a in zip(sliced, axes) if s is not None and a is not None]
-                   + [v for v, w in zip(inner, read_whole) if w] + [inner_derived[ref] for ref in keys])
-        grads = tf.gradients(targets, sources, grad_ys=ups) if targets else [None] * len(sources)
-        grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
-        it = iter(grads)
-        sliced_grads = [next(it) if s is not None and a is not None else None for s, a in zip(sliced, axes)]
-        whole_grads = [next(it) if w else None for w in read_whole]
-        derived_grads = [next(it) for _ in keys]
-        return partials, sliced_grads, whole_grads, derived_grads
+        return _slice_gradients(
+            lambda inner, extra, sliced_from: build(inner, offset, size, {**derived, **dict(zip(keys, extra))},
+                                                    sliced_from=sliced_from, length=length),
+            values, [derived[ref] for ref in keys], [a is not None for a in axes], read_whole,
+            lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
     fold0 = folding.init(partial_specs, steps)
     arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(external, axes) if a is not None]
@@ -537,6 +512,35 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
                 g = tf.convert_to_tensor(g)
                 totals[k] = g if totals[k] is None else totals[k] + g
     return outputs, totals
+
+
+def _slice_gradients(run, values, extra, sliced_ok, whole_ok, upstream_of):
+    """One slice built and differentiated in the current graph (a loop's body).
+
+    ``run(inner, extra_inner, sliced_from) -> (partials, sliced)`` builds the slice on identities of
+    ``values`` and of the ``extra`` tensors read whole, its slices cut from identities of their own
+    (``sliced_from``): tf.gradients with respect to ``inner`` would otherwise add the slices' part
+    again to an input read both ways.  ``upstream_of(partials)`` gives each partial's upstream
+    gradient (``None``: none).  Returns ``(partials, sliced_grads, whole_grads, extra_grads)``: the
+    gradients of the slices where ``sliced_ok``, of the inputs read whole where ``whole_ok``, and of
+    the ``extra`` tensors; zeros where unconnected, ``None`` where not asked for.  Symbolic
+    gradients: a GradientTape would not record here, because TensorFlow stops every tape while it
+    runs a gradient function."""
+    inner = [tf.identity(v) for v in values]
+    extra_inner = [tf.identity(t) for t in extra]
+    partials, sliced = run(inner, extra_inner, [tf.identity(v) for v in values])
+    ups = upstream_of(partials)
+    targets = [p for p, u in zip(partials, ups) if u is not None]
+    ups = [u for u in ups if u is not None]
+    take = [s is not None and ok for s, ok in zip(sliced, sliced_ok)]
+    sources = ([s for s, t in zip(sliced, take) if t] + [v for v, ok in zip(inner, whole_ok) if ok]
+               + extra_inner)
+    grads = tf.gradients(targets, sources, grad_ys=ups) if targets else [None] * len(sources)
+    grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
+    it = iter(grads)
+    sliced_grads = [next(it) if t else None for t in take]
+    whole_grads = [next(it) if ok else None for ok in whole_ok]
+    return partials, sliced_grads, whole_grads, list(it)
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:
