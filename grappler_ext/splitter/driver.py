@@ -562,10 +562,10 @@ class _Region:
                              bytes_before=size, code=Code.FITS_WHOLE)
             return None
         sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
-        fused = chunks.chunk if self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
-                                                                    backward_chunk) else None
+        fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
+                                                      backward_chunk)
         # (a recomputation's two steps stay; a fused loop's chunk is the gradient's, grown by its own figure)
-        if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fused:
+        if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fusable:
             sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
                                       lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
                                       large_joins=run.relaxed, model_per_unit=per_unit)
@@ -578,7 +578,7 @@ class _Region:
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
-        fused = fused and chunks.chunk                                  # the forward's chunk
+        fused = chunks.chunk if fusable else None                       # the forward's chunk
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
             backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
                 lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True)) or backward_chunk

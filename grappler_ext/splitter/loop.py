@@ -270,6 +270,14 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
     return external, forward
 
 
+def _roles(region: Region, external: Sequence[tf.Tensor]) -> tuple[list, list, list]:
+    """For each external input: whether it is differentiable (floating or complex), the axis it is
+    read sliced along (``None``: not sliced), and whether it is read whole."""
+    return ([t.dtype.is_floating or t.dtype.is_complex for t in external],
+            [region.sliced_inputs.get(t.ref()) for t in external],
+            [t.ref() in region.whole_inputs for t in external])
+
+
 def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
                 differentiable: bool = True, backward_chunk: int | None = None,
                 fused: int | None = None) -> list[tf.Tensor]:
@@ -289,9 +297,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     external, forward = forward_program(region, chunk, combiner, partial_specs)
     build = _slice_builder(region, external)
 
-    floating = [t.dtype.is_floating or t.dtype.is_complex for t in external]
-    axes = [region.sliced_inputs.get(t.ref()) for t in external]
-    read_whole = [t.ref() in region.whole_inputs for t in external]
+    floating, axes, read_whole = _roles(region, external)
     if not differentiable or not any(floating):
         return forward(*external)
 
@@ -342,9 +348,9 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
         combiner = combiner.at_length(length)
 
     def slice_grads(offset, size):
-        _, sliced_grads, whole_grads, _ = _slice_gradients(
-            lambda inner, _, sliced_from: build(inner, offset, size, sliced_from=sliced_from, length=length),
-            values, [], floating, [w and f for w, f in zip(read_whole, floating)],
+        _, sliced_grads, whole_grads = _slice_gradients(
+            lambda inner, sliced_from: build(inner, offset, size, sliced_from=sliced_from, length=length),
+            values, floating, [w and f for w, f in zip(read_whole, floating)],
             lambda partials: combiner.slice_upstream(upstream, outputs, partials, offset, size))
         return sliced_grads, whole_grads
 
@@ -367,30 +373,47 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
 
     count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *carry0),
                                     maximum_iterations=steps)
-    result = iter(carried)
     # After the loop, as in the forward: the remainder's offset depends on the loop's counter.
     tail_sliced, tail_whole = slice_grads(count * chunk, tail) if tail else ([None] * n, [None] * n)
-    # A run-time length: the joined rows cut to each input's own length.
-    joined = [None if a is None else join_slices(next(result), a, tail_sliced[k],
-                                                 None if length is None else axis_length(values[k], a),
-                                                 region.factors.get(external[k].ref(), UNIT).outer)
-              for k, a in enumerate(axes)]
-    summed = []
-    for k, w in enumerate(read_whole):
-        if not w:
-            summed.append(None)
-            continue
-        total = next(result)
-        summed.append(total if tail_whole[k] is None else total + tail_whole[k])
+    arrays = sum(a is not None for a in axes)
+    return _inputs_gradients(region, external, values, axes, read_whole, length, carried[:arrays],
+                             carried[arrays:], tail_sliced, tail_whole)
+
+
+def _inputs_gradients(region, external, values, axes, read_whole, length, arrays, sums, tail_sliced,
+                      tail_whole) -> list:
+    """Each input's gradient from a gradient loop's carry: an input read sliced gets its slices'
+    gradients (``arrays``, then the remainder's) joined along its axis, cut to its own length where
+    that is known only at run time; one read whole the sum over slices (``sums``, then the
+    remainder's); one read both ways both, added.  ``None`` for an input no slice differentiates (not
+    floating, or only a prologue reads it: see :func:`_backward_with_prologue`)."""
+    arrays, sums = iter(arrays), iter(sums)
     out = []
-    for k in range(n):
-        if not floating[k]:
-            out.append(None)
-            continue
-        parts = [g for g in (joined[k], summed[k]) if g is not None]
-        # None: an input only a prologue reads (see _backward_with_prologue).
+    for k, (a, w) in enumerate(zip(axes, read_whole)):
+        parts = []
+        if a is not None:
+            parts.append(join_slices(next(arrays), a, tail_sliced[k],
+                                     None if length is None else axis_length(values[k], a),
+                                     region.factors.get(external[k].ref(), UNIT).outer))
+        if w:
+            total = next(sums)
+            parts.append(total if tail_whole[k] is None else total + tail_whole[k])
         out.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
     return out
+
+
+def _carried_through_prologue(outputs, grads, values, floating, own) -> list:
+    """``own`` (the inputs' gradients) with the gradients ``grads`` of the prologue's ``outputs``
+    carried back to the inputs ``values`` it reads, added."""
+    carried = [(d, g) for d, g in zip(outputs, grads) if g is not None]
+    sources = [k for k in range(len(values)) if floating[k]]
+    if carried and sources:
+        more = tf.gradients([d for d, _ in carried], [values[k] for k in sources], grad_ys=[g for _, g in carried])
+        for k, g in zip(sources, more):
+            if g is not None:
+                g = tf.convert_to_tensor(g)
+                own[k] = g if own[k] is None else own[k] + g
+    return own
 
 
 def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]) -> int | None:
@@ -413,9 +436,7 @@ def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs:
     (so that a compile of it alone keeps them)."""
     external = external_inputs(region)
     build = _slice_builder(region, external)
-    floating = [t.dtype.is_floating or t.dtype.is_complex for t in external]
-    axes = [region.sliced_inputs.get(t.ref()) for t in external]
-    read_whole = [t.ref() in region.whole_inputs for t in external]
+    floating, axes, read_whole = _roles(region, external)
     target = fusable(combiner, partial_specs)
     if target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")
@@ -442,105 +463,78 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     n = len(external)
     derived = _in_order(region, external, values, [v for t, v in zip(external, values)
                                                    if t.ref() in region.sliced_inputs] or values)
-    keys = [ref for ref in derived if ref in region.whole_inputs and derived[ref].dtype.is_floating]
+    # The prologue's outputs as inputs read whole (as in _backward_with_prologue), their gradients
+    # carried back through it after the loop: its large outputs are not held for the backward.
+    keys = [ref for ref in derived if ref in region.whole_inputs]
+    inputs = list(external) + [ref.deref() for ref in keys]
+    values_in = values + [derived[ref] for ref in keys]
+    floating_in = list(floating) + [derived[ref].dtype.is_floating for ref in keys]
+    axes = [a if f else None for a, f in zip(list(axes) + [None] * len(keys), floating_in)]
+    read_whole = [w and f for w, f in zip(list(read_whole) + [True] * len(keys), floating_in)]
     length = run_length(region, external, values)
     steps, tail = _extent(region, length, chunk)
     folding = combiner if length is None else combiner.at_length(length)
-    axes = [a if f else None for a, f in zip(axes, floating)]
-    read_whole = [w and f for w, f in zip(read_whole, floating)]
     unit = [tf.ones(s.shape, s.dtype) if i == target else None for i, s in enumerate(partial_specs)]
 
     def slice_step(offset, size):
         return _slice_gradients(
-            lambda inner, extra, sliced_from: build(inner, offset, size, {**derived, **dict(zip(keys, extra))},
-                                                    sliced_from=sliced_from, length=length),
-            values, [derived[ref] for ref in keys], [a is not None for a in axes], read_whole,
+            lambda inner, sliced_from: build(inner[:n], offset, size, {**derived, **dict(zip(keys, inner[n:]))},
+                                             sliced_from=sliced_from[:n], length=length),
+            values_in, [a is not None for a in axes], read_whole,
             lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
     fold0 = folding.init(partial_specs, steps)
-    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(external, axes) if a is not None]
-    sums0 = ([tf.zeros_like(v) for v, w in zip(values, read_whole) if w]
-             + [tf.zeros_like(derived[ref]) for ref in keys])
+    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(inputs, axes) if a is not None]
+    sums0 = [tf.zeros_like(v) for v, w in zip(values_in, read_whole) if w]
     counts = (len(fold0), len(arrays0))
 
     def body(i, *carry):
         fold, arrays, sums = (list(carry[:counts[0]]), list(carry[counts[0]:sum(counts)]),
                               list(carry[sum(counts):]))
         offset = i * chunk
-        partials, sliced_grads, whole_grads, derived_grads = slice_step(offset, chunk)
+        partials, sliced_grads, whole_grads = slice_step(offset, chunk)
         fold = folding.step(fold, partials, i, offset)
         it = iter(arrays)
         arrays = [next(it).write(i, g) for g in sliced_grads if g is not None]
-        sums = [s + g for s, g in zip(sums, [g for g in whole_grads if g is not None] + derived_grads)]
+        sums = [s + g for s, g in zip(sums, [g for g in whole_grads if g is not None])]
         return (i + 1, *fold, *arrays, *sums)
 
     count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *fold0, *arrays0, *sums0),
                                     maximum_iterations=steps)
-    fold, arrays, sums = (carried[:counts[0]], carried[counts[0]:sum(counts)], carried[sum(counts):])
     # The remainder after the loop, its offset read from the loop's counter (as in forward_program).
     if tail:
-        tail_partials, tail_sliced, tail_whole, tail_derived = slice_step(count * chunk, tail)
+        tail_partials, tail_sliced, tail_whole = slice_step(count * chunk, tail)
     else:
-        tail_partials, tail_sliced, tail_whole, tail_derived = None, [None] * n, [None] * n, [None] * len(keys)
-    outputs = folding.finish(list(fold), tail_partials, steps * chunk)
-
-    arrays_it = iter(arrays)
-    joined = [None if a is None else join_slices(next(arrays_it), a, tail_sliced[k],
-                                                 None if length is None else axis_length(values[k], a),
-                                                 region.factors.get(external[k].ref(), UNIT).outer)
-              for k, a in enumerate(axes)]
-    sums_it = iter(sums)
-    summed = []
-    for k, w in enumerate(read_whole):
-        total = next(sums_it) if w else None
-        summed.append(total if total is None or tail_whole[k] is None else total + tail_whole[k])
-    through = []
-    for j in range(len(keys)):
-        total = next(sums_it)
-        through.append(total if tail_derived[j] is None else total + tail_derived[j])
-    totals = []
-    for k in range(n):
-        parts = [g for g in (joined[k], summed[k]) if g is not None]
-        totals.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
-    sources = [k for k in range(n) if floating[k]]
-    if keys and sources:
-        # The prologue's outputs' gradients carried back to the inputs it reads, now: the prologue's
-        # large outputs are not held for the backward.
-        more = tf.gradients([derived[ref] for ref in keys], [values[k] for k in sources], grad_ys=through)
-        for k, g in zip(sources, more):
-            if g is not None:
-                g = tf.convert_to_tensor(g)
-                totals[k] = g if totals[k] is None else totals[k] + g
-    return outputs, totals
+        tail_partials, tail_sliced, tail_whole = None, [None] * len(inputs), [None] * len(inputs)
+    outputs = folding.finish(list(carried[:counts[0]]), tail_partials, steps * chunk)
+    totals = _inputs_gradients(region, inputs, values_in, axes, read_whole, length,
+                               carried[counts[0]:sum(counts)], carried[sum(counts):], tail_sliced, tail_whole)
+    return outputs, _carried_through_prologue([derived[ref] for ref in keys], totals[n:], values, floating,
+                                              totals[:n])
 
 
-def _slice_gradients(run, values, extra, sliced_ok, whole_ok, upstream_of):
+def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of):
     """One slice built and differentiated in the current graph (a loop's body).
 
-    ``run(inner, extra_inner, sliced_from) -> (partials, sliced)`` builds the slice on identities of
-    ``values`` and of the ``extra`` tensors read whole, its slices cut from identities of their own
-    (``sliced_from``): tf.gradients with respect to ``inner`` would otherwise add the slices' part
-    again to an input read both ways.  ``upstream_of(partials)`` gives each partial's upstream
-    gradient (``None``: none).  Returns ``(partials, sliced_grads, whole_grads, extra_grads)``: the
-    gradients of the slices where ``sliced_ok``, of the inputs read whole where ``whole_ok``, and of
-    the ``extra`` tensors; zeros where unconnected, ``None`` where not asked for.  Symbolic
-    gradients: a GradientTape would not record here, because TensorFlow stops every tape while it
-    runs a gradient function."""
+    ``run(inner, sliced_from) -> (partials, sliced)`` builds the slice on identities of ``values``,
+    its slices cut from identities of their own (``sliced_from``): tf.gradients with respect to
+    ``inner`` would otherwise add the slices' part again to an input read both ways.
+    ``upstream_of(partials)`` gives each partial's upstream gradient (``None``: none).  Returns
+    ``(partials, sliced_grads, whole_grads)``: the gradients of the slices where ``sliced_ok`` and
+    of the inputs read whole where ``whole_ok``; zeros where unconnected, ``None`` where not asked
+    for.  Symbolic gradients: a GradientTape would not record here, because TensorFlow stops every
+    tape while it runs a gradient function."""
     inner = [tf.identity(v) for v in values]
-    extra_inner = [tf.identity(t) for t in extra]
-    partials, sliced = run(inner, extra_inner, [tf.identity(v) for v in values])
+    partials, sliced = run(inner, [tf.identity(v) for v in values])
     ups = upstream_of(partials)
     targets = [p for p, u in zip(partials, ups) if u is not None]
     ups = [u for u in ups if u is not None]
     take = [s is not None and ok for s, ok in zip(sliced, sliced_ok)]
-    sources = ([s for s, t in zip(sliced, take) if t] + [v for v, ok in zip(inner, whole_ok) if ok]
-               + extra_inner)
+    sources = [s for s, t in zip(sliced, take) if t] + [v for v, ok in zip(inner, whole_ok) if ok]
     grads = tf.gradients(targets, sources, grad_ys=ups) if targets else [None] * len(sources)
     grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
     it = iter(grads)
-    sliced_grads = [next(it) if t else None for t in take]
-    whole_grads = [next(it) if ok else None for ok in whole_ok]
-    return partials, sliced_grads, whole_grads, list(it)
+    return (partials, [next(it) if t else None for t in take], [next(it) if ok else None for ok in whole_ok])
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:
@@ -598,14 +592,4 @@ def _backward_with_prologue(region, build, external, axes, read_whole, values, o
     grads = _backward(region, inner_build, inner_external, list(axes) + [None] * len(keys),
                       list(read_whole) + [True] * len(keys), inner_values, outputs, upstream, combiner,
                       chunk, list(floating) + extra_floating)
-    own, through = grads[:n], grads[n:]
-    carried = [(derived[ref], g) for ref, g in zip(keys, through) if g is not None]
-    sources = [k for k in range(n) if floating[k]]
-    if carried and sources:
-        more = tf.gradients([d for d, _ in carried], [values[k] for k in sources], grad_ys=[g for _, g in carried])
-        for k, g in zip(sources, more):
-            if g is None:
-                continue
-            g = tf.convert_to_tensor(g)
-            own[k] = g if own[k] is None else own[k] + g
-    return own
+    return _carried_through_prologue([derived[ref] for ref in keys], grads[n:], values, floating, grads[:n])

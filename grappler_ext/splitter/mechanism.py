@@ -139,10 +139,10 @@ def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
     (one pass over the slices instead of two): its one floating output is a scalar combined by a sum
     or a mean (:func:`.loop.fusable`), and a gradient recorded inside the function differentiates
     what is computed from it (else those gradients would only cost time)."""
-    if not gradients.differentiated(graph, [o.root for o in options]):
-        return False
     combiner, specs, differentiable, _ = combined(options, region, ChunkPlan(length, chunk, 0))
-    return differentiable and loop_fusable(combiner, specs) is not None
+    # The combiner first: the recorded gradients' ancestors are most of the graph.
+    return (differentiable and loop_fusable(combiner, specs) is not None
+            and gradients.differentiated(graph, [o.root for o in options]))
 
 
 def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False) -> list[tf.Tensor]:
