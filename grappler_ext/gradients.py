@@ -129,17 +129,20 @@ def retarget(graph, old: tf.Tensor, new: tf.Tensor) -> None:
             graph_edit.on_undo(lambda record=record, before=before: setattr(record, "targets", before))
 
 
-def rebuild(graph, scope: str, touched: Iterable[tf.Operation]) -> int:
+def rebuild(graph, scope: str, touched: Iterable[tf.Operation], inside: Iterable[tf.Operation] = ()) -> int:
     """Differentiate again every record whose backward read an op of ``touched``; return how many.
+    A record whose results only ops of ``inside`` read (a rewrite took them in: a region computing
+    the variables' updates) is left: nothing would read its new results.
 
     Must be called after the forward was rewired; builds under ``tf_memsafe/<scope>`` and
     replaces every use of each old result with the new one (dtype and shape checked).
     """
-    touched = set(touched)
+    touched, inside = set(touched), set(inside)
+    live = graph_query.live_ops(graph) if inside else set()
     done = 0
     for record in records(graph):
         results = [t for r in record.results for t in _components(r)]
-        if not results:
+        if not results or (inside and all(c in inside or c not in live for t in results for c in t.consumers())):
             continue
         backward = graph_query.ancestors(results)
         if not backward & touched:

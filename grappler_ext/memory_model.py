@@ -327,6 +327,9 @@ class _Analysis:
             return self._info(t, False, "resource handle")
         is_output = t.name in self.output_sources
         if rule.kind is Kind.PARAMETER:
+            if op.type == "ReadVariableOp" and not self.readers(t) and not is_output:
+                # (kept live by a control edge only: a read forwarded to the value written before it)
+                return self._info(t, False, "a variable read nothing reads")
             return self._info(t, True, "entry parameter: live throughout")
         if rule.kind is Kind.CONSTANT:
             if not self.readers(t) and not is_output:

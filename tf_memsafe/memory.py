@@ -255,7 +255,8 @@ def graph_bytes(graph) -> int:
 
     def copy(*values):
         here = tf.compat.v1.get_default_graph()
-        mapping = {t.name: v for t, v in zip(arguments, values)}
+        # (an argument nothing reads, a target the loss ignores, is in no node's inputs: not mapped)
+        mapping = {t.name: v for t, v in zip(arguments, values) if t.consumers()}
         mapping.update({name: here.capture(external) for name, external in captured.items()})
         return tf.graph_util.import_graph_def(definition, input_map=mapping, name="",
                                               return_elements=[t.name for t in outputs])

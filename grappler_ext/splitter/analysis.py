@@ -43,8 +43,9 @@ from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
 from grappler_ext.splitter.slicing import UNIT, Factor
 
-__all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "reaching_on", "prologue", "downstream",
-           "const_axes", "joined_bytes", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
+__all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
+           "downstream", "const_axes", "joined_bytes", "assigned", "updates_variable", "written_into",
+           "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
 
@@ -145,6 +146,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     ``reseed``, if given (``Options.redraw_random``).  Readers in ``ignored`` (the gradients inside
     the function, rebuilt after a split) do not hold an op back."""
     roots = {o.root for o in options} | {op for o in options for op in o.absorbed}
+    joined_roots = {o.root: o for o in options if o.kind == "concat" and o.propagation is not None}
+    read_in_slice: set = set()     # concat roots the region also reads, slice by slice
     requests: dict = {}            # (op, output index) -> set of axes it is read sliced along
     whole: set = set()             # tensor refs read whole
     heap: list = []
@@ -200,6 +203,15 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             elif dim != length:
                 return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {_size(dim)} along the split axis, "
                                                  f"not {_size(length)}")
+        joined = joined_roots.get(op)
+        if joined is not None:
+            # A concat root read along its own axis by the region (an optimizer slot's new value, which
+            # the weight's update reads): computed in the slice like the region's other ops.
+            if any(joined.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()) or not factor.unit:
+                return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{op.name}`)")
+            read_in_slice.add(op)
+            input_axes[op], rebuild[op] = joined.input_axes, joined.propagation.build
+            continue
         stop = _outside(op, wanted, whole, included | ignored, graph_outputs, order_index)
         prop = None
         if stop is None:
@@ -240,10 +252,10 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
         # Roots split together must not read each other's results (logsumexp's Sum reads the
         # whole row max): the loop would need what it computes.
         upstream = ancestors([t for op in included for t in op.inputs])
-        needed = [o.root for o in options if o.root in upstream]
+        needed = [o.root for o in options if o.root in upstream and o.root not in read_in_slice]
         if needed:
             return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
-    ops = sorted(included - roots, key=lambda o: order_index[o])
+    ops = sorted((included - roots) | read_in_slice, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
                     whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic, factors=factors)
     stops.sort(key=lambda s: -s[0])
@@ -406,13 +418,17 @@ def _scalar_source(t: tf.Tensor, depth: int) -> tuple[tf.Tensor, int] | None:
 def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``.  Readers
     not in ``live`` (dead ops: a tape's gradient for a constant divisor) do not count."""
+    if op not in live:
+        # Built by an earlier loop of this plan (its rebuilt gradients): not in the order planned on.
+        return Why(Code.REGION_STOPS, f"`{op.name}` was built by an earlier split")
     kind = rules.leaf_kind(op)
     if kind is not None:
         article = "an" if kind[0] in "aeiou" else "a"
         return Why(Code.REGION_STOPS, f"`{op.name}` is {article} {kind}")
     if any(o.ref() in whole for o in op.outputs):
         return Why(Code.REGION_STOPS, f"`{op.name}` is also read whole")
-    if op.control_inputs or any(c not in included for c in op._control_outputs):  # noqa: SLF001
+    # (a constant made after it, as a square's gradient makes its 2, orders nothing that matters)
+    if op.control_inputs or any(c not in included and c.type != "Const" for c in op._control_outputs):  # noqa: SLF001
         return Why(Code.REGION_STOPS, f"`{op.name}` has control dependencies")
     for o in op.outputs:
         if o.ref() in graph_outputs:
@@ -443,13 +459,18 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
                 return f"`{t.op.name}` would be split along two axes"
             continue
         seen[t.ref()] = (a, factor)
-        found, pushed, stop = {}, [], None
+        found, pushed, stop, assigned = {}, [], None, False
         if t.ref() in graph_outputs:
             stop = f"`{t.op.name}` is an output of the function"
-        for reader in set(t.consumers()) if stop is None else ():
+        for reader in sorted(set(t.consumers()), key=lambda op: order_index.get(op, -1)) if stop is None else ():
             if reader not in order_index or reader in ignored or static_shape_reader(reader):
                 continue
             slots = [j for j, x in enumerate(reader.inputs) if x is t]
+            if reader.type == "AssignVariableOp" and slots == [1]:
+                # A variable's new value (an optimizer's slot, grappler_ext.variable_updates): joined for
+                # its assignment, and read slice by slice by what follows (the weight's update).
+                assigned = True
+                continue
             # A reduction over rows that hold the split axis at a factor ([B * L, E] summed over its
             # rows, the sequence inside) is no root: a root's inputs hold the whole axis.
             reducing = [o for o in root_options(reader) if factor.unit
@@ -469,7 +490,9 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
         if stop is None:
             roots.update(found)
             stack.extend(pushed)
-            continue
+            if not assigned:
+                continue
+            stop = f"`{t.op.name}` is assigned to a variable"
         ends = [o for o in root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == a]
         if t is tensor or not ends or not factor.unit:
             # (joined results hold the whole axis: [B * L, E] rows cannot end a loop along L)
@@ -478,6 +501,22 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
             return f"`{t.op.name}` would be joined along two axes"
         roots[t.op] = ends[0]
     return sorted(roots.values(), key=lambda o: order_index[o.root])
+
+
+def together(tensor: tf.Tensor, order_index: dict, graph_outputs: set, backward: frozenset) -> list[list[RootOption]]:
+    """Root sets split with ``tensor`` along each of its axes: several readers reducing the same axis
+    (SGPR's A A^T and A err: one loop), and, where gradients are taken inside the function, the roots
+    reached through them to the weights' updates (a wide layer split along its kernel's columns, its
+    gradient and update computed column block by column block)."""
+    out = []
+    for axis in range(tensor.shape.rank or 0):
+        found = forward_roots(tensor, axis, order_index, graph_outputs, backward)
+        if isinstance(found, list) and len(found) > 1:
+            out.append(found)
+        updating = backward and forward_roots(tensor, axis, order_index, graph_outputs, frozenset())
+        if isinstance(updating, list) and updates_variable(updating, order_index):
+            out.append(updating)
+    return out
 
 
 def reaching_on(options: list[RootOption], order_index: dict, graph_outputs: set,
@@ -596,9 +635,51 @@ def top_k(options) -> int:
     return max([int(tensor_util.constant_value(o.root.inputs[1])) for o in options if o.kind == "top_k"] or [1])
 
 
-def joined_bytes(options) -> int:
-    """The bytes of the results the loop of ``options`` joins whole (its concat roots' outputs)."""
-    return sum(nbytes(t) for o in options if o.kind == "concat" for t in o.root.outputs)
+def joined_bytes(options, written_into=()) -> int:
+    """The bytes of the results the loop of ``options`` joins whole (its concat roots' outputs; none
+    for those written into an input's buffer, ``written_into``)."""
+    return sum(nbytes(t) for o in options if o.kind == "concat" and o.root not in written_into for t in o.root.outputs)
+
+
+def assigned(t: tf.Tensor, live) -> tf.Tensor | None:
+    """The variable ``t`` is assigned to (its resource handle), where a live ``AssignVariableOp`` reads it."""
+    return next((c.inputs[0] for c in t.consumers() if c.type == "AssignVariableOp" and c.inputs[1] is t
+                 and c in live), None)
+
+
+def updates_variable(options, live) -> bool:
+    """Whether a root of ``options`` computes a variable's new value (joined, then assigned)."""
+    return any(o.kind == "concat" and assigned(o.root.outputs[0], live) is not None for o in options
+               if o.root.outputs)
+
+
+def written_into(options, grown: Grown, live) -> dict:
+    """``{root: input}``: the concat roots whose joined result can be written into the buffer of a
+    sliced input, slice by slice, instead of joined apart: the root's output is a variable's new value
+    (:mod:`grappler_ext.variable_updates`) and the input that variable's value before, read along the
+    same axis, of the same shape, by nothing outside the region.  Slice ``s`` of the input is then read
+    (by step ``s`` only) before it is overwritten, and XLA keeps the new value in the variable's own
+    buffer: a [4096, 16384] weight updated column block by column block holds one copy, not three."""
+    region = grown.region
+    if region.dynamic:
+        return {}           # a run-time length's clamped last slice overlaps the one before it
+    out: dict = {}
+    for o in options:
+        if o.kind != "concat" or len(o.root.outputs) != 1:
+            continue
+        value, axis = o.root.outputs[0], o.output_axes[0]
+        resource = assigned(value, live)
+        if resource is None:
+            continue
+        for ref, a in region.sliced_inputs.items():
+            t = ref.deref()
+            if (t.op.type == "ReadVariableOp" and t.op.inputs[0] is resource and a == axis and t.dtype == value.dtype
+                    and t.shape == value.shape and ref not in region.factors and ref not in region.whole_inputs
+                    and all(c in grown.included or c not in live for c in t.consumers())
+                    and all(v is not t for v in out.values())):
+                out[o.root] = t
+                break
+    return out
 
 
 def materialised_bytes(ops, info, where=lambda t: True) -> int:

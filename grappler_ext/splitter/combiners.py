@@ -49,11 +49,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
-__all__ = ["value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat", "Sum", "Mean",
-           "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group", "combiner_for_reduction",
+__all__ = ["value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat", "InPlace",
+           "write_slice", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
+           "combiner_for_reduction",
            "REDUCTION_COMBINERS"]
 
 
@@ -79,6 +81,16 @@ class Combiner(abc.ABC):
     @abc.abstractmethod
     def finish(self, carry: list, tail_partials: Sequence[tf.Tensor] | None, tail_offset: int) -> list[tf.Tensor]:
         """The outputs, from the loop's carry and the tail slice's partials (``None``: no tail)."""
+
+    def initial(self, partial_specs: Sequence[tf.TensorSpec], steps: int, values: Sequence[tf.Tensor]) -> list:
+        """The loop carry before the first slice, given the loop's inputs ``values`` (what
+        :class:`InPlace` writes into); by default :meth:`init`."""
+        return self.init(partial_specs, steps)
+
+    def carried_inputs(self, carry: Sequence) -> dict:
+        """``{input index: tensor}``: the loop's inputs whose slices a step reads from ``carry``
+        instead (the buffers :class:`InPlace` writes into); by default none."""
+        return {}
 
     def slice_upstream(self, upstream: Sequence[tf.Tensor], outputs: Sequence[tf.Tensor],
                        partials: Sequence[tf.Tensor], offset, chunk: int) -> list[tf.Tensor | None]:
@@ -121,6 +133,53 @@ class Concat(Combiner):
 
     def at_length(self, length):
         return _ConcatTo(self.axes, length)
+
+
+class InPlace(Concat):
+    """:class:`Concat` whose slices are written into the buffer of a loop input instead of joined apart.
+
+    ``sources[i]``: the index, among the loop's inputs, of the input output ``i`` is written into (a
+    variable's value before its update, the output its value after: :func:`.analysis.written_into`).
+    The carry starts as that input; step ``s`` reads its slice of the input from the carry, where it
+    is still the input's own (only slices before ``s`` were written), and writes the slice's result
+    over it (``XlaDynamicUpdateSlice``).  XLA updates a loop-carried buffer in place, and a variable's
+    new value in the variable's buffer: one copy of the variable in all, where joining held three.
+    Static lengths only: the clamped last slice of a run-time length overlaps the one before it.
+    """
+
+    name = "in_place"
+
+    def __init__(self, axes: Sequence[int], sources: Sequence[int]):
+        super().__init__(axes)
+        self.sources = tuple(sources)
+
+    def init(self, partial_specs, steps):
+        raise ValueError("a result written in place starts from the input it is written into (initial)")
+
+    def initial(self, partial_specs, steps, values):
+        return [values[k] for k in self.sources]
+
+    def carried_inputs(self, carry):
+        return dict(zip(self.sources, carry))
+
+    def step(self, carry, partials, index, offset):
+        return [write_slice(buf, p, self.axes[i], offset) for i, (buf, p) in enumerate(zip(carry, partials))]
+
+    def finish(self, carry, tail_partials, tail_offset):
+        if tail_partials is None:
+            return list(carry)
+        return [write_slice(buf, p, self.axes[i], tail_offset) for i, (buf, p) in enumerate(zip(carry, tail_partials))]
+
+    def at_length(self, length):
+        raise ValueError("a result written in place needs a static length")
+
+
+def write_slice(buffer: tf.Tensor, piece: tf.Tensor, axis: int, offset) -> tf.Tensor:
+    """``buffer`` with ``piece`` written over it from ``offset`` along ``axis``."""
+    offset = tf.cast(offset, tf.int32)
+    zero = tf.constant(0, tf.int32)
+    return xla.dynamic_update_slice(buffer, piece, tf.stack([offset if d == axis else zero
+                                                             for d in range(buffer.shape.rank)]))
 
 
 class _ConcatTo(Concat):
@@ -528,6 +587,18 @@ class Group(Combiner):
                    for (c, _, _), specs in zip(self.parts, self._cut(partial_specs, [n for _, n, _ in self.parts]))]
         self._carry_sizes = [len(c) for c in carries]
         return [x for c in carries for x in c]
+
+    def initial(self, partial_specs, steps, values):
+        carries = [c.initial(specs, steps, values)
+                   for (c, _, _), specs in zip(self.parts, self._cut(partial_specs, [n for _, n, _ in self.parts]))]
+        self._carry_sizes = [len(c) for c in carries]
+        return [x for c in carries for x in c]
+
+    def carried_inputs(self, carry):
+        out: dict = {}
+        for (c, _, _), cr in zip(self.parts, self._cut(carry, self._carry_sizes)):
+            out.update(c.carried_inputs(cr))
+        return out
 
     def step(self, carry, partials, index, offset):
         out = []

@@ -11,6 +11,7 @@ measurer), :mod:`.mechanism` (the loop built and installed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 from grappler_ext import gradients, graph_edit, memory_model, shapes
@@ -179,9 +180,9 @@ class _Run:
                     # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
                     self.pending.append(
                         f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
-                        f"{_mb(limit)} before it runs, and nothing in it is split{self._growth_note()}. Give the "
-                        "tf.function an input_signature with static shapes (or call it on tensors of one shape) to "
-                        "let tf_memsafe check and split it.")
+                        f"{_mb(limit)} before it runs, and nothing in it is split"
+                        f"{nominal.growth_note(self.growth, self.limit)}. Give the tf.function an input_signature "
+                        "with static shapes (or call it on tensors of one shape) to let tf_memsafe check and split it.")
                 return result
             # Static tensors over the limit (attention scores beside the dynamic-size sparse update
             # of an embedding) are split; the dynamic ops stay as they are.
@@ -228,7 +229,13 @@ class _Run:
         own = graph_edit.journaled(graph_edit.Journal()) if graph_edit.active_journal() is None else \
             contextlib.nullcontext()
         with own:
+            # A weight's update as values (a region may compute it slice by slice): kept if a loop is built.
+            mark = mechanism.variables_as_values(self.graph, self.name, int(t.min_tensor_fraction * limit))
+            if mark is not None:
+                est, info = memory_model.analyse(self.graph)
             self._split(est, info, limit)
+            if mark is not None and not result.changed:
+                graph_edit.active_journal().undo(to=mark)
         if self.entry_over and not result.changed and not self.pending:
             # Over by XLA's figure, and no loop built nor warning given on the way: never silently.
             figure, why = self.entry_over
@@ -240,16 +247,6 @@ class _Run:
                 f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
                 "smaller pieces.")
         return result
-
-    def _growth_note(self) -> str:
-        """What the memory model says the program needs as its run-time dimensions grow, if it could say."""
-        if self.growth is None:
-            return ""
-        within = self.growth.within(self.limit)
-        upto = ("" if within is None else "; within the limit at any size" if within == float("inf") else
-                f"; within the limit up to about {int(within):,}")
-        return (f" (by the memory model, about {_mb(self.growth.base_bytes)} and {self.growth.per_unit:,.0f} B more "
-                f"for each unit of those dimensions{upto})")
 
     def _warn(self) -> None:
         """The plan's warnings, each once, pointing at the pipeline that ran the pass."""
@@ -426,7 +423,7 @@ class _Run:
 
         # Large materialised tensors, largest first; each gets at most one loop.
         tensors = sorted((x for op in order if not graph_edit.is_generated(op)
-                          and op.type not in ("Placeholder", "Const") and op not in backward
+                          and op.type not in ("Placeholder", "Const", "ReadVariableOp") and op not in backward
                           for x in op.outputs if large(x)), key=lambda x: -info[x.name].bytes)
         done: set = set()
         after = None          # the model's bytes after the latest rewrite (the graph changes only there)
@@ -526,11 +523,7 @@ class _Region:
         beside = self.beside(tensor)
         near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
         candidates = [[option] for root in near for option in analysis.root_options(root)]
-        # Several readers reducing the same axis of the tensor (SGPR's A A^T and A err): one loop.
-        for axis in range(tensor.shape.rank or 0):
-            together = analysis.forward_roots(tensor, axis, self.order_index, self.graph_outputs, self.backward)
-            if isinstance(together, list) and len(together) > 1:
-                candidates.append(together)
+        candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
         best = self.best_root(candidates, tensor, beside, reasons)
         if best is None or best.planned.best_effort is not None or not best.planned.chunks.splits:
             # No root nearby meets the limit: the region that does may end farther down (SGPR's
@@ -586,6 +579,8 @@ class _Region:
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
                                int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
+        if grown.region.written_into:                    # no remainder slice (see policy.without_tail)
+            chunks = policy.without_tail(chunks, per_unit)
         return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None) -> set | None:
@@ -607,7 +602,7 @@ class _Region:
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
         forward_loops = mechanism.new_loops(graph, existing)
         try:
-            rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included) if self.backward else 0
+            rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
         finally:
             # The call's seed is this loop's (its gradient keyed on it too): a later region's loop,
             # compiled alone to size it, draws with a fixed key instead (see rules.Reseed).
@@ -636,7 +631,8 @@ class _Region:
                         sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
                         loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
                         rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
-                        dynamic=grown.region.dynamic, fused=fused is not None)
+                        dynamic=grown.region.dynamic, fused=fused is not None,
+                        written_into=mechanism.written_variables(graph, grown.region))
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
                             bytes_after=chunks.predicted_bytes,
@@ -659,7 +655,9 @@ class _Region:
         takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
         t, best = self.tuning, None
         for options in candidates:
-            grown = analysis.grow(options, self.graph_outputs, self.order_index, self.backward, self.reseed)
+            # (a region computing a weight's update takes in the gradients it reads)
+            ignored = frozenset() if analysis.updates_variable(options, self.order_index) else self.backward
+            grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed)
             if isinstance(grown, Why):
                 reasons.append(grown)
                 continue
@@ -667,11 +665,14 @@ class _Region:
                 if grown.stops:
                     reasons.append(grown.stops[0])
                 continue
+            grown.region.written_into = analysis.written_into(options, grown, self.order_index)
             if self.backward:
-                grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, self.backward,
+                grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, ignored,
                                                           t.slice_share * self.budget, t.prologue_share,
                                                           t.prologue_ops, t.prologue_min_bytes)
-            planned = policy.plan(options, grown, beside, self.budget, t, large_joins=self.run.relaxed)
+            # (the gradients a weight's update reads are in its region: no backward is left to plan)
+            planned = policy.plan(options, grown, beside if ignored else dataclasses.replace(beside, backward=ignored),
+                                  self.budget, t, large_joins=self.run.relaxed)
             if isinstance(planned, Why):
                 reasons.append(planned)
                 continue
@@ -684,7 +685,7 @@ class _Region:
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
-            key = policy.rank(planned, options, held, self.budget, t)
+            key = policy.rank(planned, options, held, self.budget, t, grown.region.written_into)
             if best is None or key < best.key:
                 best = _Candidate(key, options, grown, planned, remat)
         return best

@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from grappler_ext import folding
-from grappler_ext.splitter.combiners import Combiner
+from grappler_ext.splitter.combiners import Combiner, write_slice
 from grappler_ext.splitter.rules import clone_op
 from grappler_ext.splitter.slicing import (
     UNIT,
@@ -98,6 +98,9 @@ class Region:
       factors: for ops (and sliced inputs' refs) reached through a reshape, where the split axis lies
         in their axis (:class:`~.slicing.Factor`: a batch row of [4, 512, E] is 512 rows of the
         [2048, E] it was reshaped from; a sequence row, 4 rows 512 apart).  The whole axis where absent.
+      written_into: concat roots whose joined result is written, slice by slice, into the buffer of
+        one of the sliced inputs: ``{root op: input}`` (a variable's new value into its old one, see
+        :func:`.analysis.written_into`); the loop reads that input's slices from the buffer it writes.
     """
 
     ops: list[tf.Operation]
@@ -110,6 +113,7 @@ class Region:
     prologue: list[tf.Operation] = dataclasses.field(default_factory=list)
     dynamic: bool = False
     factors: dict = dataclasses.field(default_factory=dict)
+    written_into: dict = dataclasses.field(default_factory=dict)
 
 
 def _inline_constant(t: tf.Tensor):
@@ -172,6 +176,9 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
     # The region's ops are read as they are now: a later split may rewire these (dead) ops' inputs
     # to its own outputs, and this builder runs again when the gradients are rebuilt.
     op_inputs = {op: list(op.inputs) for op in region.ops}
+    refs = [t.ref() for t in external]
+    written = {root: (refs.index(t.ref()), region.sliced_inputs[t.ref()])
+               for root, t in region.written_into.items() if root in op_inputs}
 
     def build(values, offset, chunk, derived=None, sliced_from=None, length=None):
         split_env: dict = {}
@@ -200,6 +207,15 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
             # (a rebuild that needs its offset is only ever the whole axis: analysis.grow)
             for old, new in zip(op.outputs, region.rebuild[op](op, inputs, factor.rows(chunk), offset * factor.inner)):
                 split_env[old.ref()] = new
+            if op in written:
+                # A result written in place that the region reads on (Adam's new moment, in the weight's
+                # update): read back from the buffer as written, the very update combiners.InPlace makes
+                # (XLA merges the two).  Read from the value, XLA would recompute it from the buffer's
+                # old slice after the write, and copy the whole buffer to keep that slice.
+                k, axis = written[op]
+                buffer = (values if sliced_from is None else sliced_from)[k]
+                split_env[op.outputs[0].ref()] = dynamic_slice(
+                    write_slice(buffer, split_env[op.outputs[0].ref()], axis, offset), axis, offset, chunk)
         valid = None if length is None else valid_rows(offset, chunk, length)
         return region.root_partial(lookup, chunk, offset, valid), sliced
 
@@ -225,12 +241,20 @@ def _extent(region: Region, length, chunk: int):
     return (length + (chunk - 1)) // chunk, 0
 
 
+def _with_carried(values, combiner: Combiner, carry) -> list:
+    """``values`` with the inputs a step reads from the carry (:meth:`Combiner.carried_inputs`) replaced."""
+    values = list(values)
+    for k, buffer in combiner.carried_inputs(carry).items():
+        values[k] = buffer
+    return values
+
+
 def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: int):
-    carry0 = combiner.init(partial_specs, steps)
+    carry0 = combiner.initial(partial_specs, steps, values)
 
     def body(i, *carry):
         offset = i * chunk
-        partials, _ = build(values, offset, chunk)
+        partials, _ = build(_with_carried(values, combiner, carry), offset, chunk)
         return (i + 1, *combiner.step(list(carry), partials, i, offset))
 
     result = tf.while_loop(lambda i, *carry: i < steps, body, (tf.constant(0), *carry0),
@@ -264,7 +288,7 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
         # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
         # data dependence keeps XLA's scheduler from computing the remainder slice before the loop
         # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
-        tail_partials = step(values, count * chunk, tail)[0] if tail else None
+        tail_partials = step(_with_carried(values, folding, carry), count * chunk, tail)[0] if tail else None
         return folding.finish(carry, tail_partials, steps * chunk)
 
     return external, forward

@@ -15,16 +15,19 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-from grappler_ext import gradients, graph_edit, shapes
+from grappler_ext import gradients, graph_edit, shapes, variable_updates
+from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
 from grappler_ext.splitter import combiners, rules, slicing
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
-from grappler_ext.splitter.loop import Region, build_split, forward_program, fused_program
+from grappler_ext.splitter.loop import Region, build_split, external_inputs, forward_program, fused_program
 from grappler_ext.splitter.loop import fusable as loop_fusable
 
-__all__ = ["combined", "fusable", "build", "install", "rebuild_gradients", "loop_figure", "call_seed", "new_loops"]
+__all__ = ["combined", "fusable", "build", "install", "rebuild_gradients", "variables_as_values", "written_variables",
+           "loop_figure",
+           "call_seed", "new_loops"]
 
 
 def call_seed() -> tf.Tensor:
@@ -39,7 +42,7 @@ def _spec_with(t: tf.Tensor, axis, chunk: int) -> tf.TensorSpec:
     return tf.TensorSpec(shape, t.dtype)
 
 
-def _root_part(option, plan: ChunkPlan):
+def _root_part(option, plan: ChunkPlan, region: Region):
     """``(partial builder, combiner, partial specs, differentiable)`` for one root."""
     root = option.root
     kind = option.kind
@@ -50,6 +53,10 @@ def _root_part(option, plan: ChunkPlan):
             ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
             return option.propagation.build(root, ins, chunk, offset)
         specs = [_spec_with(o, a, plan.chunk) for o, a in zip(root.outputs, option.output_axes)]
+        into = region.written_into.get(root)
+        if into is not None:
+            source = [t.ref() for t in external_inputs(region)].index(into.ref())
+            return concat_partial, combiners.InPlace(option.output_axes, [source]), specs, True
         return concat_partial, combiners.Concat(option.output_axes), specs, True
 
     extremum = kind in ("max", "min") and root.outputs[0].dtype.is_floating
@@ -118,7 +125,7 @@ def _identity(kind: str, dtype: tf.DType):
 def combined(options, region: Region, plan: ChunkPlan):
     """``(combiner, partial specs, differentiable, outputs per root)`` of the roots together;
     sets ``region.root_partial``."""
-    parts = [_root_part(o, plan) for o in options]
+    parts = [_root_part(o, plan, region) for o in options]
     partial_fns = [p[0] for p in parts]
     region.root_partial = lambda lookup, chunk, offset, valid=None: [
         x for fn in partial_fns for x in fn(lookup, chunk, offset, valid)]
@@ -175,10 +182,35 @@ def install(graph, scope: str, roots, outputs, graph_outputs: set, region_ops) -
         _fold_shape_readers(region_ops)
 
 
-def rebuild_gradients(graph, scope: str, included) -> int:
+def rebuild_gradients(graph, scope: str, included, region: Region | None = None) -> int:
     """The gradients inside the function that read the region's ops (``included``) differentiated
-    again through its loop; how many were rebuilt."""
-    return gradients.rebuild(graph, scope, included)
+    again through its loop; how many were rebuilt.  A region that computes variables' updates takes
+    in the gradients it reads: those read by nothing else are not rebuilt (nothing would read them)."""
+    inside = included if region is not None and region.written_into else frozenset()
+    return gradients.rebuild(graph, scope, included, inside)
+
+
+def written_variables(graph, region: Region) -> tuple[str, ...]:
+    """The names of the variables the loop of ``region`` writes in place, for its plan."""
+    return tuple(variable_updates.variable_name(graph, t.op.inputs[0]) for t in region.written_into.values())
+
+
+def variables_as_values(graph, scope: str, min_bytes: int) -> int | None:
+    """The updates of the variables of at least ``min_bytes`` made assignments of values
+    (:mod:`grappler_ext.variable_updates`), so that a region can compute a weight's update slice by
+    slice; the journal's mark before, or ``None`` where there were none."""
+    live = live_ops(graph)
+    order = {op: i for i, op in enumerate(topological_order(graph, live))}
+    found = variable_updates.candidates(graph, order, min_bytes)
+    journal = graph_edit.active_journal()
+    if not found or journal is None:
+        return None
+    mark = len(journal)
+    updates = variable_updates.as_values(graph, scope, found)
+    # (what the recorded gradients differentiate keeps its IdentityN: a custom gradient)
+    protected = ancestors([t for r in gradients.records(graph) for t in r.targets if isinstance(t, tf.Tensor)])
+    variable_updates.through_identities(graph, updates, protected)
+    return mark
 
 
 def _fold_shape_readers(ops) -> None:

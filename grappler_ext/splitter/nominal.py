@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
 
-__all__ = ["Growth", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size"]
+__all__ = ["Growth", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size", "growth_note"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 
@@ -99,3 +99,14 @@ def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, 
             break
         size //= 2
     return size
+
+
+def growth_note(grows: Growth | None, limit: int) -> str:
+    """What the memory model says the program needs as its run-time dimensions grow, if it could say."""
+    if grows is None:
+        return ""
+    within = grows.within(limit)
+    upto = ("" if within is None else "; within the limit at any size" if within == float("inf") else
+            f"; within the limit up to about {int(within):,}")
+    return (f" (by the memory model, about {grows.base_bytes / 1e6:,.1f} MB and {grows.per_unit:,.0f} B more "
+            f"for each unit of those dimensions{upto})")

@@ -140,6 +140,8 @@ class LoopPlan:
       fused: the loop computes each slice's gradients as it computes the slice (gradients inside the
         function, one scalar output combined by a sum or a mean): one pass over the slices, no
         gradient loop; ``chunk`` is then the gradient's.
+      written_into: the variables whose new values the loop writes, slice by slice, into their own
+        buffers (a wide layer's update along its kernel's columns).
     """
 
     roots: tuple[RootSplit, ...]
@@ -157,6 +159,7 @@ class LoopPlan:
     prologue_ops: tuple[str, ...] = ()
     dynamic: bool = False
     fused: bool = False
+    written_into: tuple[str, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -198,6 +201,11 @@ class LoopPlan:
                          f" + {self.backward_tail}" if self.backward_tail else ""))
         if self.fused:
             text += "; its gradients computed in the same loop"
+        if self.written_into:
+            shown = ", ".join(f"`{name}`" for name in self.written_into)
+            text += f"; the new value{'s' if len(self.written_into) > 1 else ''} of {shown} written into the variable"
+            text += "s" if len(self.written_into) > 1 else ""
+            text += " slice by slice"
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"

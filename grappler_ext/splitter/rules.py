@@ -539,6 +539,15 @@ def _bias_add(op, output_index, axis):
     return Propagation((axis, 0 if axis == channel else None), (axis,))
 
 
+# BiasAddGrad(g)[s:s+c] = BiasAddGrad(g[.., s:s+c])      the channel axis (NCHW: axis 1); a bias's
+# gradient, split with the bias (a wide layer's update column block by column block)
+@rule("BiasAddGrad")
+def _bias_add_grad(op, output_index, axis):
+    rank = op.inputs[0].shape.rank
+    channel = 1 if op.get_attr("data_format") == b"NCHW" else rank - 1
+    return Propagation((channel,), (axis,))
+
+
 # --- contractions ---------------------------------------------------------------------------------
 
 
@@ -1004,11 +1013,20 @@ def _pad(op, output_index, axis):
 
 
 # tile(x, m)[.., s:s+c, ..] = tile(x[.., s:s+c, ..], m)   when m = 1 on the axis
+# tile(x, m)[.., s:s+c, ..] = tile(x, m with c on the axis)   when x has 1 there (a broadcast: the
+#                                                             gradient of a mean, ones tiled)
 @rule("Tile")
 def _tile(op, output_index, axis):
     multiples = _const(op.inputs[1])
     if multiples is None:
         return _not_constant(op, "the multiples")
+    if int(multiples[axis]) != 1 and _dims(op.inputs[0])[axis] == 1:
+        times = [int(m) for m in multiples]
+
+        def rebuild(op, inputs, chunk):
+            return [tf.tile(inputs[0], tf.constant(_with_chunk(times, axis, chunk), dtype=op.inputs[1].dtype))]
+
+        return Propagation((None, None), (axis,), rebuild)
     if int(multiples[axis]) != 1:
         return Refusal(f"`Tile` repeats axis {axis}, the split axis, {int(multiples[axis])} times")
     return Propagation((axis, None), (axis,))

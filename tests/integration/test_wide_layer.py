@@ -1,0 +1,101 @@
+"""A wide layer's training step (issue 29): the weight, its gradient and the optimizer's slots crowd the
+limit, so splitting the batch's rows is not enough; the step is split along the weight's output axis,
+each column block's forward, gradient and update computed in one loop and written into the
+variables' own buffers.
+
+Sizes (float64): a Dense(2048) on x [256, 512] regressing a target [256, 2048]; the kernel is 8 MiB,
+x 1 MiB, the target and the layer's output 4 MiB each.  As written, SGD's step holds the kernel, its
+gradient, the output and its gradient (about 29 MiB by XLA's figure); split along the rows it would
+still hold the kernel and its whole gradient, 21 MiB.  Along the kernel's columns only the kernel,
+x and the target stay: 13 MiB.  The SGD limit, 17 MiB, is met only that way; each optimizer slot
+(momentum, Adam's two moments) adds 8 MiB to all three.
+
+Each case runs three steps as written and three rewritten, from the same start, in Keras 3 (what
+``tf.keras`` is on TF 2.21) and tf_keras, and compares losses and every variable, slots included,
+at 1e-10; and checks XLA's figure for the rewritten step against the limit, and that the plan wrote
+the kernel's update in place.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_memsafe
+from tf_memsafe import hook
+
+N, D_IN, D_OUT = 256, 512, 2048
+STEPS = 3
+MIB = 2**20
+
+
+def limit(keras, name) -> int:
+    """Half a kernel above the column split's floor (the kernel, its optimizer slots, x and the target),
+    half a kernel below the row split's (which adds the kernel's whole gradient).  tf_keras's SGD
+    keeps a momentum slot even at momentum 0."""
+    slots = {"sgd": 0 if keras is tf.keras else 1, "momentum": 1, "adam": 2}[name]
+    return (13 + 8 * slots + 4) * MIB
+RNG = np.random.default_rng(0)
+X = tf.constant(RNG.standard_normal((N, D_IN)))
+Y = tf.constant(RNG.standard_normal((N, D_OUT)))
+
+
+def _optimizer(keras, name):
+    if name == "sgd":
+        return keras.optimizers.SGD(0.1)
+    if name == "momentum":
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+    return keras.optimizers.Adam(1e-2)
+
+
+def _run(keras, name, limit=None):
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.Dense(D_OUT, dtype="float64")
+    layer.build((None, D_IN))
+    optimizer = _optimizer(keras, name)
+    optimizer.build(layer.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(layer(x) - y))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        return loss
+
+    if limit is None:
+        fn = tf.function(step, jit_compile=True)
+        losses = [float(fn(X, Y)) for _ in range(STEPS)]
+        return losses, [v.numpy() for v in layer.trainable_variables + list(optimizer.variables)], None
+    with tf_memsafe.options(memory_limit=limit, strict=True):
+        fn = tf.function(step, jit_compile=True)
+        losses = [float(fn(X, Y)) for _ in range(STEPS)]
+        footprint = tf_memsafe.memory_footprint(fn, X, Y)
+        assert tf_memsafe.memory_footprint(fn, X, Y, rewrite=False) > limit   # the step as written does not fit
+    return losses, [v.numpy() for v in layer.trainable_variables + list(optimizer.variables)], footprint
+
+
+@pytest.fixture(autouse=True)
+def _enabled():
+    tf_memsafe.enable(memory_limit="1GB")
+    yield
+    tf_memsafe.disable()
+
+
+def _plans(mark):
+    return [r.plan for rep in hook.reports_since(mark) for r in rep.records
+            if r.pass_name == "splitter" and r.action == "rewritten"]
+
+
+@pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "momentum"])
+def test_step_split_along_the_kernel_columns_matches_and_fits(keras, name):
+    with tf_memsafe.options(disabled_passes="splitter"):
+        losses0, variables0, _ = _run(keras, name)
+    mark = hook.report_mark()
+    losses, variables, footprint = _run(keras, name, limit(keras, name))
+    np.testing.assert_allclose(losses, losses0, rtol=1e-10)
+    for got, want in zip(variables, variables0):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert footprint <= limit(keras, name), f"{footprint:,} B over the limit of {limit(keras, name):,} B"
+    plans = _plans(mark)
+    assert any(p.written_into for p in plans), [p.render() for p in plans]
