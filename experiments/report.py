@@ -297,6 +297,22 @@ def gpr_lines(data: dict) -> list[str]:
                        "status", "rel. diff"], body)]
 
 
+def wide_layer_lines(data: dict) -> list[str]:
+    from experiments import wide_layer
+
+    rows = [wide_layer.Row(**r) for r in data["rows"]]
+    body = [[r.keras, r.optimizer, f"{r.n:,} x {r.d_in:,} -> {r.d_out:,}", m.fmt_bytes(r.naive_bytes),
+             m.fmt_bytes(r.limit_bytes), m.fmt_bytes(r.tfms_bytes), "yes" if r.within_limit else "**NO**",
+             r.written_into or "-", f"{r.naive_step_s:.3g} s / {r.tfms_step_s:.3g} s",
+             f"{r.naive_first_s:.3g} s / {r.tfms_first_s:.3g} s", m.num(r.max_rel_diff, ".1e")] for r in rows]
+    return ["XLA's footprint as written and under the limit (compiled), the variables the loop writes in place, "
+            f"the median of {data.get('repeats')} interleaved steps and the first call (trace, rewrite, compile, "
+            "one step), as written / rewritten, and the largest difference over the largest magnitude of the "
+            "losses and variables after three steps.", "",
+            *md_table(["Keras", "optimizer", "batch x in -> out", "naive", "limit", "tf_memsafe", "within",
+                       "written in place", "step", "first call", "rel. diff"], body)]
+
+
 def compile_time_lines(data: dict) -> list[str]:
     from experiments import compile_time
 
@@ -377,6 +393,11 @@ EXPERIMENTS = (
                "and triangular solves with many right-hand sides (split along them, the Cholesky factor read "
                "whole), and the training loss with its gradients (whose [N, N] Cholesky factor is a floor).",
                gpr_lines),
+    Experiment("wide_layer", "A wide layer's training step", "experiments.wide_layer", "wide_layer",
+               "A Dense(16384) on 2048 inputs trained with SGD and Adam (Keras 3 and tf_keras) under 700 MB, where "
+               "the kernel, its gradient and the optimizer's slots crowd the limit: split along the kernel's "
+               "columns, each column block's forward, gradient and update in one loop step, written in place.",
+               wide_layer_lines),
     Experiment("compile_time", "Compile time of causal masks", "experiments.compile_time", "compile_time",
                "First calls of Keras attention layers whose causal masks are running sums of ones (Keras 3's "
                "`MultiHeadAttention` with dropout, tf_keras' `Attention`): XLA folds those scans at compile time; "

@@ -10,6 +10,7 @@ measurer), :mod:`.mechanism` (the loop built and installed).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import warnings
@@ -36,11 +37,6 @@ def _loops(result: PassResult) -> str:
     """"1 loop", "3 loops": the loops ``result`` has built so far."""
     n = len(result.rewritten)
     return f"{n} loop{'s' if n > 1 else ''}"
-
-
-def _best_effort(result: PassResult) -> bool:
-    """Whether a plan says the limit cannot be met (its warning is given then)."""
-    return any(r.code == Code.BEST_EFFORT for r in result.records)
 
 
 @register_pass
@@ -347,7 +343,7 @@ class _Run:
         grown into the room XLA's figure for it leaves under the limit, if that is within the limit;
         else ``tried`` as it was.  Returns the plan's records, the model's bytes and XLA's figure."""
         starved, wanted = self.starved, self.limit
-        if not starved or _best_effort(tried):
+        if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records):   # (warned then)
             return tried, after, measured
         figure = Figure(measured) if measured is not None else self.figure()
         if not figure.known:
@@ -474,17 +470,25 @@ class _Run:
             # Nothing split, measured within the limit already, far below it by the model's count, or
             # every loop sized by compiling it as the whole program.
             return after, None
-        return after, self.figure().bytes
+        figure = self.figure()
+        if after > limit:
+            self._said_within(after, figure, result)
+        return after, figure.bytes
+
+    def _said_within(self, after, figure, result) -> bool:
+        """Whether XLA's figure puts the program as split within the limit the model's count is over;
+        the record saying so (``explain()`` then says why no warning was given)."""
+        if figure.known and figure.bytes <= self.limit:
+            result.skip([], f"the memory model counts {_mb(after)} as split, over the limit, but XLA's figure "
+                            f"is {figure.bytes:,} B: within it", code=Code.CHECKED_WITHIN)
+        return figure.known and figure.bytes <= self.limit
 
     def _warn_cannot_fit(self, est, worst, needed, after, limit, result) -> None:
         """XLA's figure has the last word; if it is over too (or unknown), one warning (pending until
         the run ends): what the program needs, the limit, and the record that could not be helped."""
         # The model's count of a program this far from it is the least sure (a Transformer's
         # training step at L = 16384: 4.7 GB as split by the model, 1.9 GB by XLA).
-        figure = self.figure()
-        if figure.known and figure.bytes <= self.limit:
-            result.skip([], f"the memory model counts {_mb(after)} as split, over the limit, but XLA's figure "
-                            f"is {figure.bytes:,} B: within it", code=Code.CHECKED_WITHIN)
+        if self._said_within(after, figure := self.figure(), result):
             return
         how = "needs about" if est.peak_bytes is not None else "needs at least"
         scaled = ("" if limit == self.limit else
@@ -691,10 +695,5 @@ class _Region:
         return best
 
 
-class _Candidate:
-    """A root's plan, as :meth:`_Region.best_root` ranks them (the smallest ``key`` is best)."""
-
-    __slots__ = ("key", "options", "grown", "planned", "remat")
-
-    def __init__(self, key, options, grown, planned, remat):
-        self.key, self.options, self.grown, self.planned, self.remat = key, options, grown, planned, remat
+# A root's plan, as _Region.best_root ranks them (the smallest ``key`` is best).
+_Candidate = collections.namedtuple("_Candidate", "key options grown planned remat")

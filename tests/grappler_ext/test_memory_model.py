@@ -80,6 +80,21 @@ class TestParameters:
         assert estimate(g).peak_bytes == 12 * MB
 
 
+    def test_a_variable_read_nothing_reads_is_no_buffer(self):
+        """A read kept live only by a control edge (one that grappler_ext.variable_updates forwarded to
+        the value written before it) holds nothing: XLA reads nothing."""
+        v = tf.Variable(tf.zeros([1000, 1000]))
+        g = trace(lambda x: x + v, SQ)
+        read = next(op for op in g.get_operations() if op.type == "ReadVariableOp")
+        with g.as_default():
+            unread = tf.raw_ops.ReadVariableOp(resource=read.inputs[0], dtype=tf.float32)
+        g.control_outputs.append(unread.op)          # live through a control edge only
+        info = annotate(g)
+        assert not info[unread.name].materialised
+        assert info[read.outputs[0].name].materialised
+        assert estimate(g).peak_bytes == 12 * MB
+
+
 class TestConstants:
     def test_large_constant_has_its_own_allocation(self):
         """x + C with a [1000, 1000] numpy constant: 4 MB each for x, C and the output."""

@@ -99,3 +99,37 @@ def test_step_split_along_the_kernel_columns_matches_and_fits(keras, name):
     assert footprint <= limit(keras, name), f"{footprint:,} B over the limit of {limit(keras, name):,} B"
     plans = _plans(mark)
     assert any(p.written_into for p in plans), [p.render() for p in plans]
+
+
+def test_a_step_written_by_hand():
+    """The same layer and loss written without Keras: the tape watches the variables' reads, and the
+    step assigns ``w - 0.1 g`` (an assignment of a value already).  Before the update regions, the
+    splitter failed on it (a region grew into the gradients an earlier loop had rebuilt: KeyError)."""
+    def run(budget=None):
+        w = tf.Variable(np.random.default_rng(3).standard_normal((D_IN, D_OUT)) / 30)
+        b = tf.Variable(np.zeros(D_OUT))
+
+        def step(x, y):
+            w0, b0 = w.read_value(), b.read_value()
+            with tf.GradientTape() as tape:
+                tape.watch([w0, b0])
+                loss = tf.reduce_mean(tf.square(x @ w0 + b0 - y))
+            gw, gb = tape.gradient(loss, [w0, b0])
+            w.assign(w0 - 0.1 * gw)
+            b.assign(b0 - 0.1 * gb)
+            return loss
+
+        with tf_memsafe.options(memory_limit=budget or 10**12, strict=True):
+            fn = tf.function(step, jit_compile=True)
+            losses = [float(fn(X, Y)) for _ in range(STEPS)]
+            footprint = tf_memsafe.memory_footprint(fn, X, Y) if budget else None
+        return losses, [w.numpy(), b.numpy()], footprint
+
+    losses0, values0, _ = run()
+    mark = hook.report_mark()
+    losses, values, footprint = run(limit(tf.keras, "sgd"))
+    np.testing.assert_allclose(losses, losses0, rtol=1e-10)
+    for got, want in zip(values, values0):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert footprint <= limit(tf.keras, "sgd")
+    assert any(p.written_into for p in _plans(mark))

@@ -116,6 +116,14 @@ class TestTapeFootprint:
         assert before == after  # the counting pass changes nothing
 
 
+def test_a_graph_with_an_argument_nothing_reads_is_measured():
+    """A target the loss ignores is an input of the traced graph that no op reads: the copy compiled
+    to measure the graph maps only the arguments read (import_graph_def refuses to map the others)."""
+    fn = tf.function(lambda x, unused: tf.reduce_sum(x * 2.0), jit_compile=True)
+    graph = fn.get_concrete_function(tf.TensorSpec([100, 100]), tf.TensorSpec([7])).graph
+    assert memory.graph_bytes(graph) > 0
+
+
 def test_peak_memory_bounds_the_footprint_from_above():
     x, y = tf.random.normal([1000, 64]), tf.random.normal([1500, 64])
     f = tf.function(pairwise_sq_dist, jit_compile=True)

@@ -177,3 +177,14 @@ class TestTuning:
     def test_values_out_of_range_name_the_field(self, field, value):
         with pytest.raises(ValueError, match=f"Tuning.{field} must be"):
             Tuning(**{field: value})
+
+
+def test_a_loop_writing_in_place_takes_a_chunk_that_divides_its_length():
+    """policy.without_tail: the largest divisor of the length down to half the chunk (16384 in 780s:
+    512, 32 steps and no remainder); none that large keeps the chunk; a chunk that divides is kept."""
+    without_tail = policy.without_tail
+    got = without_tail(ChunkPlan(16384, 780, 10_000_000), per_unit=1000.0)
+    assert (got.chunk, got.length % got.chunk, got.predicted_bytes) == (512, 0, 10_000_000 - 268 * 1000)
+    assert without_tail(ChunkPlan(10000, 780, 1), 1.0).chunk == 625
+    assert without_tail(ChunkPlan(10007, 780, 1), 1.0).chunk == 780            # a prime: the remainder stays
+    assert without_tail(ChunkPlan(4096, 512, 1), 1.0).chunk == 512

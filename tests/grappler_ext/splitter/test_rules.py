@@ -202,6 +202,9 @@ case("BiasAdd", tf.nn.bias_add, [_data([3, 4, 5], F32), _data([5], F32, 1)])
 case("BiasAdd", lambda x, b: tf.nn.bias_add(x, b, data_format="NCHW"), [_data([2, 3, 4, 5], F32), _data([3], F32, 1)],
      id="BiasAdd-NCHW")
 case("BiasAddV1", lambda x, b: _raw("BiasAddV1", x, b), [_data([3, 4], I32), _data([4], I32, 1)])
+case("BiasAddGrad", lambda g: tf.raw_ops.BiasAddGrad(out_backprop=g), [_data([3, 4, 5], F32)])
+case("BiasAddGrad", lambda g: tf.raw_ops.BiasAddGrad(out_backprop=g, data_format="NCHW"), [_data([2, 3, 4, 5], F32)],
+     id="BiasAddGrad-NCHW")
 
 # Contractions.
 _MM = 1e-5
@@ -388,6 +391,10 @@ case("GatherV2", lambda p, i: tf.gather(p, i, axis=1, batch_dims=1),
 case("GatherV2", lambda p, i: tf.gather(p, i, axis=2, batch_dims=-1),
      [_data([3, 2, 5, 4], F32), _data([3, 2, 6], I32, 1, low=0, high=5)], id="GatherV2-batch_dims-1")
 case("Tile", lambda x: tf.tile(x, [1, 2, 1]), _x3, refused={1: "repeats axis 1, the split axis, 2 times"})
+# A broadcast tiled (a mean's gradient: ones [1, 1] tiled to the input's shape): split along the
+# tiled axis too, the tile rebuilt with the chunk's multiple.
+case("Tile", lambda x: tf.tile(x, [2, 4, 1]), [_data([3, 1, 5], F32)], id="Tile-of-a-broadcast",
+     refused={0: "repeats axis 0, the split axis, 2 times"})
 case("BroadcastTo", lambda x: tf.broadcast_to(x, [3, 4, 5]), [_data([4, 1], F32)])
 case("BroadcastTo", lambda x: tf.broadcast_to(x, [2, 3, 4]), [_data([3, 1], I32)], id="BroadcastTo-i32")
 case("Fill", lambda: tf.fill([3, 4], 2.5), [])
