@@ -393,7 +393,7 @@ EXPERIMENTS = (
                "and triangular solves with many right-hand sides (split along them, the Cholesky factor read "
                "whole), and the training loss with its gradients (whose [N, N] Cholesky factor is a floor).",
                gpr_lines),
-    Experiment("wide_layer", "A wide layer's training step", "experiments.wide_layer", "wide_layer",
+    Experiment("wide_layer", "Wide layer", "experiments.wide_layer", "wide_layer",
                "A Dense(16384) on 2048 inputs trained with SGD and Adam (Keras 3 and tf_keras) under 700 MB, where "
                "the kernel, its gradient and the optimizer's slots crowd the limit: split along the kernel's "
                "columns, each column block's forward, gradient and update in one loop step, written in place.",

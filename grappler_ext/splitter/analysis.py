@@ -427,8 +427,10 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
         return Why(Code.REGION_STOPS, f"`{op.name}` is {article} {kind}")
     if any(o.ref() in whole for o in op.outputs):
         return Why(Code.REGION_STOPS, f"`{op.name}` is also read whole")
-    # (a constant made after it, as a square's gradient makes its 2, orders nothing that matters)
-    if op.control_inputs or any(c not in included and c.type != "Const" for c in op._control_outputs):  # noqa: SLF001
+    # (a constant made after it, as a square's gradient makes its 2, orders nothing that matters; nor
+    # does a computation it waits for, as tf_keras' squared-difference gradient waits for its upstream)
+    if any(rules.is_stateful(c) for c in op.control_inputs) or any(
+            c not in included and c.type != "Const" for c in op._control_outputs):  # noqa: SLF001
         return Why(Code.REGION_STOPS, f"`{op.name}` has control dependencies")
     for o in op.outputs:
         if o.ref() in graph_outputs:

@@ -85,7 +85,7 @@ class _Run:
         self.relaxed = False                             # regions with a large joined result allowed
         self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
-        self.entry_over: tuple[int, str] | None = None   # XLA's figure as written, over the limit, and why
+        self.entry_over: tuple | None = None   # (bytes as written, over the limit; by what; why)
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
 
@@ -186,8 +186,8 @@ class _Run:
                     f"the rest needs at least {at_least:,} B")
             result.skip([], f"{shown}: left as they are; {over}, so the static tensors over the limit are split",
                         code=Code.DYNAMIC_SHAPES)
-            if figure.known:
-                self.entry_over = (figure.bytes, f"it has {shown}")
+            self.entry_over = ((figure.bytes, "by XLA's figure") if figure.known else (
+                at_least, "at least, by the memory model's count of its static tensors")) + (f"it has {shown}",)
         elif est.peak_bytes is not None and est.peak_bytes <= limit * t.model_trust:
             figure = self.figure() if est.peak_bytes >= t.check_from * limit else Figure()
             if not figure.over(limit):
@@ -200,7 +200,7 @@ class _Run:
             result.skip([], f"the memory model's {est.peak_bytes:,} B is within the limit, but XLA's figure for "
                             f"the program as written is {figure.bytes:,} B: planned against {planning:,} B "
                             f"(the limit x {est.peak_bytes / figure.bytes:.2f})", code=Code.PLANNED_LOWER)
-            self.entry_over = (figure.bytes, f"the memory model counts {_mb(est.peak_bytes)}")
+            self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model counts {_mb(est.peak_bytes)}")
             limit = planning
         if est.peak_bytes is None and not est.dynamic_tensors:
             # No estimate (an op without a byte rule): split only what is over the limit on its own
@@ -220,7 +220,8 @@ class _Run:
                 result.skip([], f"the memory model cannot estimate it ({est.reason}), and XLA's figure for the program "
                                 f"as written is {figure.bytes:,} B, over the limit of {limit:,} B: its large tensors "
                                 "are split", code=Code.OVER_BY_XLA)
-                self.entry_over = (figure.bytes, f"the memory model has no rule for it ({est.reason})")
+                self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model has no rule for it "
+                                   f"({est.reason})")
         # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
         own = graph_edit.journaled(graph_edit.Journal()) if graph_edit.active_journal() is None else \
             contextlib.nullcontext()
@@ -233,13 +234,13 @@ class _Run:
             if mark is not None and not result.changed:
                 graph_edit.active_journal().undo(to=mark)
         if self.entry_over and not result.changed and not self.pending:
-            # Over by XLA's figure, and no loop built nor warning given on the way: never silently.
-            figure, why = self.entry_over
+            # Over as written, and no loop built nor warning given on the way: never silently.
+            figure, by, why = self.entry_over
             stuck = [r for r in result.records if r.code in CANNOT_SPLIT]
             what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck
                     else "no tensor in it is large enough for a loop of its own")
             self.pending.append(
-                f"`{self.graph.name}` needs {_mb(figure)} by XLA's figure, over its limit of {_mb(self.limit)}; "
+                f"`{self.graph.name}` needs {_mb(figure)} {by}, over its limit of {_mb(self.limit)}; "
                 f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
                 "smaller pieces.")
         return result

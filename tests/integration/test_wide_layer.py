@@ -133,3 +133,30 @@ def test_a_step_written_by_hand():
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
     assert footprint <= limit(tf.keras, "sgd")
     assert any(p.written_into for p in _plans(mark))
+
+
+@pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_keras_fit_on_batches_of_a_static_size(keras):
+    """``model.fit`` on a ``tf.data`` pipeline with ``drop_remainder=True`` (a static batch): Keras'
+    own train step, loss and Adam, split along the kernel's columns, the same losses and weights."""
+    from tests.integration.keras_fit import fit_under
+
+    x, y = X.numpy().astype(np.float32), Y.numpy().astype(np.float32)
+
+    def fit(budget):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input([D_IN]), keras.layers.Dense(D_OUT)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=True)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(N, drop_remainder=True)
+        mark = hook.report_mark()
+        losses, records, said = fit_under(model, data, budget, epochs=3)
+        return losses, [v.numpy() for v in model.trainable_variables], said, _plans(mark)
+
+    losses0, weights0, _, _ = fit(None)
+    # float32: the kernel 4 MiB, the moments 8, x 0.5, the targets 2; its whole gradient 4 MiB more
+    losses, weights, said, plans = fit(int(16.5 * MIB))
+    assert said == []
+    np.testing.assert_allclose(losses, losses0, rtol=1e-5)
+    for got, want in zip(weights, weights0):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert any(p.written_into for p in plans), [p.render() for p in plans]
