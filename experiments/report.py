@@ -232,10 +232,20 @@ def transformer_lines(data: dict) -> list[str]:
         naive, tfms = by.get((mode, length, "naive")), by.get((mode, length, "tf_memsafe"))
         body.append([mode, length, footprint(naive), footprint(tfms), tfms.splits if tfms else "-",
                      seconds(naive.seconds) if naive else "-", seconds(tfms.seconds) if tfms else "-",
+                     first_call(naive), first_call(tfms),
                      m.num(tfms.err_vs_naive if tfms else None, ".1e"), first_clause(tfms.note) if tfms else ""])
     lines += md_table(["mode", "L", "naive", "tf_memsafe", "splits", "naive s/step", "tf_memsafe s/step",
-                       "err vs naive", "tf_memsafe note"], body)
+                       "naive first call", "tf_memsafe first call", "err vs naive", "tf_memsafe note"], body)
+    lines += ["First call: the trace (tf_memsafe's passes and the programs they compile to measure included), "
+              "XLA's compile and one step; \"not run\" where the program was not run.", ""]
     return lines
+
+
+def first_call(row) -> str:
+    """A sweep row's first call, trace + compile + one step, in seconds ("-" for no row)."""
+    if row is None:
+        return "-"
+    return seconds(row.trace_s + row.first_call_s) if row.first_call_s is not None else "not run"
 
 
 def sgpr_lines(data: dict) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-__all__ = ["VerificationError", "live_ops", "topological_order", "ancestors"]
+__all__ = ["VerificationError", "live_ops", "topological_order", "ancestors", "ancestor_ops"]
 
 
 class VerificationError(AssertionError):
@@ -89,8 +89,14 @@ def topological_order(graph, ops=None, first=()) -> list[tf.Operation]:
 
 def ancestors(tensors: Iterable[tf.Tensor], stop: set | None = None) -> set[tf.Operation]:
     """The ops that ``tensors`` depend on (data and control edges), themselves included."""
+    return ancestor_ops([t.op for t in tensors], stop)
+
+
+def ancestor_ops(ops: Iterable[tf.Operation], stop: set | None = None) -> set[tf.Operation]:
+    """The ops that ``ops`` depend on (data and control edges), themselves included (an op without
+    outputs too: an assignment, a ``NoOp``)."""
     seen: set[tf.Operation] = set()
-    stack = [t.op for t in tensors]
+    stack = list(ops)
     while stack:
         op = stack.pop()
         if op in seen or (stop and op in stop):

@@ -29,7 +29,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from grappler_ext import graph_edit
+from grappler_ext import graph_edit, graph_query
 
 __all__ = ["WRITES", "Update", "candidates", "as_values", "through_identities", "variable_name"]
 
@@ -81,19 +81,8 @@ def _chain(resource: tf.Tensor, order_index: dict) -> list[tf.Operation] | None:
 def _after(op: tf.Operation, earlier: tf.Operation) -> bool:
     """Whether ``op`` depends on ``earlier``: a direct control edge (what automatic control
     dependencies add), else any path of data or control edges."""
-    if earlier in op.control_inputs:
-        return True
-    seen, stack = set(), [t.op for t in op.inputs] + list(op.control_inputs)
-    while stack:
-        x = stack.pop()
-        if x is earlier:
-            return True
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(t.op for t in x.inputs)
-        stack.extend(x.control_inputs)
-    return False
+    return earlier in op.control_inputs or earlier in graph_query.ancestor_ops(
+        [t.op for t in op.inputs] + list(op.control_inputs))
 
 
 def candidates(graph, order_index: dict, min_bytes: int = 0) -> list[tuple[tf.Tensor, list[tf.Operation]]]:
