@@ -227,7 +227,8 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
     Plans that meet the limit first; among them, those whose joined result is small (a region
     reaching on to a reduction, rather than stopping at a large tensor it writes whole: SGPR's
     K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the region through A A^T
-    and A err, 3 steps, left none), the fewest steps, then the one freeing the most bytes the
+    and A err, 3 steps, left none), those writing variables in place (a wide layer's update along its
+    kernel's columns), the fewest steps, then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
     is judged by the size of its joined result, then by what it leaves); a plan that does not split
     last."""
@@ -238,7 +239,9 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
         # (a region writing a large result whole leaves what reads it to another loop: a
         # feed-forward block's output joined before the softmax over the sequence that reads it)
         return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
-    return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, count, -held,
+    # (a loop writing variables in place holds none of their gradients whole, which a loop over the
+    # batch's rows keeps, and the model's count of it misses: first among those within the limit)
+    return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, not written_into, count, -held,
             chunks.predicted_bytes)
 
 
