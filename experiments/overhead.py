@@ -11,7 +11,11 @@ Workloads (float32, each a plain Python function of tensors, compiled with ``jit
 * ``kernel_matvec``: ``exp(-D(x, y) / 2) @ v``, d = 3, v: [M, 4];
 * ``logsumexp``: ``reduce_logsumexp(-D(x, y), axis=1)``, d = 3;
 * ``attention``: ``softmax(q k^T / 8) v``, d = 64;
-* ``causal_attention``: the same with ``band_part`` and ``where`` masking the upper triangle.
+* ``causal_attention``: the same with ``band_part`` and ``where`` masking the upper triangle;
+* ``matrix_chain``: ``(A B) v`` with A [N, 64], B [64, N], v [N, 4], written left to right: the
+  [N, N] product first.  ``matrix_chain`` reorders it to ``A (B v)`` whether or not the program fits
+  (it cuts the FLOPs by far more than ``chain_order.FLOP_MARGIN``): the ``fits`` case shows what
+  such a rewrite does to a program that fits (issue 29: it must never slow one down).
 
 Each runs in two modes (``--modes``, default both):
 
@@ -221,6 +225,14 @@ def knn_rows(q, first, p):
     return knn(q, p)                                                            # [C, 10]
 
 
+def matrix_chain(a, b, v):
+    return (a @ b) @ v                                                   # [N, N] first, as written
+
+
+def matrix_chain_rows(a, first, b, v):
+    return (a @ b) @ v
+
+
 def kernel_matvec(x, y, v):
     return tf.matmul(tf.exp(-0.5 * sq_dist(x, y)), v)                           # [N, 4]
 
@@ -325,13 +337,14 @@ def workloads(quick: bool, modes=MODES) -> list[Workload | TrainingWorkload]:
 
 
 def forward_workloads(quick: bool) -> list[Workload]:
-    """The five forward workloads; full sizes give naive footprints of ~250-300 MB."""
+    """The six forward workloads; full sizes give naive footprints of ~250-300 MB."""
     rng = np.random.default_rng(0)
 
     def normal(*shape):
         return rng.standard_normal(shape, dtype=np.float32)
 
     n_dist, n_lse, n_attn, n_causal = (4000, 3000, 2000, 2000) if quick else (8000, 6000, 6000, 8000)
+    n_chain = 2000 if quick else 8000
     return [
         Workload("knn", knn, knn_rows, (normal(n_dist, 3), normal(n_dist, 3)),
                  f"N = M = {n_dist}, d = 3, k = 10", tf.int32),
@@ -343,6 +356,9 @@ def forward_workloads(quick: bool) -> list[Workload]:
                  f"N = M = {n_attn}, d = 64"),
         Workload("causal_attention", causal_attention, causal_attention_rows,
                  tuple(normal(n_causal, 64) for _ in range(3)), f"N = M = {n_causal}, d = 64"),
+        Workload("matrix_chain", matrix_chain, matrix_chain_rows,
+                 (normal(n_chain, 64), normal(64, n_chain), normal(n_chain, 4)),
+                 f"A: [{n_chain}, 64], B: [64, {n_chain}], v: [{n_chain}, 4]"),
     ]
 
 
