@@ -157,19 +157,12 @@ def through_identities(graph, updates: list[Update], protected: set) -> int:
     variables' updates: a region along one weight's axis could not take it in.  Ops among
     ``protected`` (what a recorded gradient differentiates) keep theirs: there the ``IdentityN``
     carries a custom gradient.  Journaled."""
-    values = [a.inputs[1] for u in updates for a in u.assigns]
-    seen, stack, passed = set(), [t.op for t in values], 0
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        if op.type == "IdentityN" and op not in protected:
-            for out, into in zip(op.outputs, op.inputs):
-                graph_edit.replace_uses(out, into)
-            passed += 1
-    return passed
+    passed = [op for op in graph_query.ancestors([a.inputs[1] for u in updates for a in u.assigns])
+              if op.type == "IdentityN" and op not in protected]
+    for op in sorted(passed, key=lambda o: o.name):
+        for out, into in zip(op.outputs, op.inputs):
+            graph_edit.replace_uses(out, into)
+    return len(passed)
 
 
 def variable_name(graph, resource: tf.Tensor) -> str:

@@ -17,6 +17,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.printer import format_graph
+from tests.keras_steps import OPTIMIZERS, dense_step
 from tf_memsafe import hook
 
 RNG = np.random.default_rng(0)
@@ -46,22 +47,8 @@ class AsValues(GraphPass):
 
 
 def _step(keras, optimizer, jit):
-    keras.utils.set_random_seed(1)
-    layer = keras.layers.Dense(48)
-    layer.build((None, 32))
-    opt = {"sgd": lambda: keras.optimizers.SGD(0.1), "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-           "adam": lambda: keras.optimizers.Adam(1e-2)}[optimizer]()
-    opt.build(layer.trainable_variables)
-
-    @tf.function(jit_compile=jit)
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(layer(x) - y))
-        grads = tape.gradient(loss, layer.trainable_variables)
-        opt.apply_gradients(zip(grads, layer.trainable_variables))
-        return loss
-
-    return step, lambda: [v.numpy() for v in layer.trainable_variables + list(opt.variables)]
+    step, values = dense_step(keras, optimizer, 32, 48)
+    return tf.function(step, jit_compile=jit), values
 
 
 def _three_steps(keras, optimizer, jit, rewrite):
@@ -83,7 +70,7 @@ def _enabled():
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "no_jit"])
 @pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_steps_with_updates_as_values_are_exact(keras, optimizer, jit):
     losses0, values0, _ = _three_steps(keras, optimizer, jit, rewrite=False)
     losses, values, the_pass = _three_steps(keras, optimizer, jit, rewrite=True)

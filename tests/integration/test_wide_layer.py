@@ -22,6 +22,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_memsafe
+from tests.keras_steps import OPTIMIZERS, dense_step
 from tf_memsafe import hook
 
 N, D_IN, D_OUT = 256, 512, 2048
@@ -35,43 +36,25 @@ def limit(keras, name) -> int:
     keeps a momentum slot even at momentum 0."""
     slots = {"sgd": 0 if keras is tf.keras else 1, "momentum": 1, "adam": 2}[name]
     return (13 + 8 * slots + 4) * MIB
+
+
 RNG = np.random.default_rng(0)
 X = tf.constant(RNG.standard_normal((N, D_IN)))
 Y = tf.constant(RNG.standard_normal((N, D_OUT)))
 
 
-def _optimizer(keras, name):
-    if name == "sgd":
-        return keras.optimizers.SGD(0.1)
-    if name == "momentum":
-        return keras.optimizers.SGD(0.1, momentum=0.9)
-    return keras.optimizers.Adam(1e-2)
-
-
 def _run(keras, name, limit=None):
-    keras.utils.set_random_seed(1)
-    layer = keras.layers.Dense(D_OUT, dtype="float64")
-    layer.build((None, D_IN))
-    optimizer = _optimizer(keras, name)
-    optimizer.build(layer.trainable_variables)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(layer(x) - y))
-        grads = tape.gradient(loss, layer.trainable_variables)
-        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-        return loss
-
+    step, values = dense_step(keras, name, D_IN, D_OUT, dtype="float64")
     if limit is None:
         fn = tf.function(step, jit_compile=True)
         losses = [float(fn(X, Y)) for _ in range(STEPS)]
-        return losses, [v.numpy() for v in layer.trainable_variables + list(optimizer.variables)], None
+        return losses, values(), None
     with tf_memsafe.options(memory_limit=limit, strict=True):
         fn = tf.function(step, jit_compile=True)
         losses = [float(fn(X, Y)) for _ in range(STEPS)]
         footprint = tf_memsafe.memory_footprint(fn, X, Y)
         assert tf_memsafe.memory_footprint(fn, X, Y, rewrite=False) > limit   # the step as written does not fit
-    return losses, [v.numpy() for v in layer.trainable_variables + list(optimizer.variables)], footprint
+    return losses, values(), footprint
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +70,7 @@ def _plans(mark):
 
 
 @pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
-@pytest.mark.parametrize("name", ["sgd", "adam", "momentum"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_step_split_along_the_kernel_columns_matches_and_fits(keras, name):
     with tf_memsafe.options(disabled_passes="splitter"):
         losses0, variables0, _ = _run(keras, name)
