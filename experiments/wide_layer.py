@@ -64,26 +64,35 @@ def _keras(name: str):
     return tf_keras
 
 
-def _build(keras_name: str, optimizer: str, n: int, d_in: int, d_out: int):
-    """``(step, values, inputs)``: a fresh layer and optimizer from a fixed start."""
-    keras = _keras(keras_name)
+def dense_step(keras, optimizer, d_in: int, d_out: int, dtype: str = "float32"):
+    """``(step, values)``: a fresh ``Dense(d_out)`` on ``d_in`` inputs from a fixed seed, and
+    ``optimizer`` built for it before any trace; ``step(x, y)`` (a plain Python function: the mean
+    squared error against ``y``, ``tape.gradient``, ``apply_gradients``) returns the loss, and
+    ``values()`` the layer's variables and the optimizer's, as arrays.  (The tests' step too.)"""
     keras.utils.set_random_seed(1)
-    layer = keras.layers.Dense(d_out)
+    layer = keras.layers.Dense(d_out, dtype=dtype)
     layer.build((None, d_in))
-    opt = keras.optimizers.Adam(1e-3) if optimizer == "adam" else keras.optimizers.SGD(0.1)
-    opt.build(layer.trainable_variables)
-    rng = np.random.default_rng(0)
-    inputs = (tf.constant(rng.standard_normal((n, d_in)), tf.float32),
-              tf.constant(rng.standard_normal((n, d_out)), tf.float32))
+    optimizer.build(layer.trainable_variables)
 
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(layer(x) - y))
         grads = tape.gradient(loss, layer.trainable_variables)
-        opt.apply_gradients(zip(grads, layer.trainable_variables))
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
         return loss
 
-    return step, lambda: [v.numpy() for v in layer.trainable_variables + list(opt.variables)], inputs
+    return step, lambda: [v.numpy() for v in layer.trainable_variables + list(optimizer.variables)]
+
+
+def _build(keras_name: str, optimizer: str, n: int, d_in: int, d_out: int):
+    """``(step, values, inputs)``: a fresh layer and optimizer from a fixed start."""
+    keras = _keras(keras_name)
+    step, values = dense_step(keras, keras.optimizers.Adam(1e-3) if optimizer == "adam" else keras.optimizers.SGD(0.1),
+                              d_in, d_out)
+    rng = np.random.default_rng(0)
+    inputs = (tf.constant(rng.standard_normal((n, d_in)), tf.float32),
+              tf.constant(rng.standard_normal((n, d_out)), tf.float32))
+    return step, values, inputs
 
 
 def _first(fn, inputs) -> tuple[float, float]:

@@ -42,11 +42,10 @@ WRITES = frozenset({ASSIGN, "AssignAddVariableOp", "AssignSubVariableOp"})
 class Update:
     """A variable whose writes are assignments of values now.
 
-    ``resource``: the variable's handle in the graph; ``read``: its value before the first write (the
-    first read); ``assigns``: the assignments, in order, each writing a tensor (its ``inputs[1]``)."""
+    ``resource``: the variable's handle in the graph; ``assigns``: the assignments, in order, each
+    writing a tensor (its ``inputs[1]``)."""
 
     resource: tf.Tensor
-    read: tf.Tensor
     assigns: tuple
 
 
@@ -72,8 +71,7 @@ def _chain(resource: tf.Tensor, order_index: dict) -> list[tf.Operation] | None:
                 return None
             last_write, since = op, []
         since.append(op)
-    first = ops[0]
-    if first.type != READ and first.type != ASSIGN:
+    if ops[0].type not in (READ, ASSIGN):
         return None                         # a relative write before any read
     return ops
 
@@ -110,12 +108,11 @@ def as_values(graph, scope: str, found: list[tuple[tf.Tensor, list[tf.Operation]
     updates = []
     for resource, chain in found:
         current: tf.Tensor | None = None
-        first_read: tf.Tensor | None = None
         assigns = []
         for op in chain:
             if op.type == READ:
                 if current is None:
-                    current = first_read = op.outputs[0]
+                    current = op.outputs[0]
                 else:
                     graph_edit.replace_uses(op.outputs[0], current)
                 continue
@@ -133,8 +130,8 @@ def as_values(graph, scope: str, found: list[tuple[tf.Tensor, list[tf.Operation]
             _run_after(op, assign)
             current = new
             assigns.append(assign)
-        if first_read is not None and assigns:
-            updates.append(Update(resource, first_read, tuple(assigns)))
+        if assigns:
+            updates.append(Update(resource, tuple(assigns)))
     return updates
 
 

@@ -1,7 +1,7 @@
-"""A Dense layer's training step as a Keras user writes it, for the tests of variable updates and wide
-layers: mean squared error against a target, ``tape.gradient`` and ``apply_gradients`` in one step."""
+"""A Dense layer's training step as a Keras user writes it (the wide-layer experiment's), with the
+optimizers the tests of variable updates and wide layers run."""
 
-import tensorflow as tf
+from experiments import wide_layer
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -16,20 +16,5 @@ def optimizer(keras, name: str):
 
 
 def dense_step(keras, name: str, d_in: int, d_out: int, dtype: str = "float32"):
-    """``(step, values)``: a fresh ``Dense(d_out)`` on ``d_in`` inputs and its optimizer, built before
-    any trace from a fixed seed; ``step(x, y)`` (a plain Python function) returns the loss, and
-    ``values()`` the layer's variables and the optimizer's, as arrays."""
-    keras.utils.set_random_seed(1)
-    layer = keras.layers.Dense(d_out, dtype=dtype)
-    layer.build((None, d_in))
-    opt = optimizer(keras, name)
-    opt.build(layer.trainable_variables)
-
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(layer(x) - y))
-        grads = tape.gradient(loss, layer.trainable_variables)
-        opt.apply_gradients(zip(grads, layer.trainable_variables))
-        return loss
-
-    return step, lambda: [v.numpy() for v in layer.trainable_variables + list(opt.variables)]
+    """``(step, values)``: :func:`experiments.wide_layer.dense_step` with the optimizer ``name``."""
+    return wide_layer.dense_step(keras, optimizer(keras, name), d_in, d_out, dtype)

@@ -84,7 +84,7 @@ class Combiner(abc.ABC):
 
     def initial(self, partial_specs: Sequence[tf.TensorSpec], steps: int, values: Sequence[tf.Tensor]) -> list:
         """The loop carry before the first slice, given the loop's inputs ``values`` (what
-        :class:`InPlace` writes into); by default :meth:`init`."""
+        :class:`InPlace` writes into; ``None``: not given); by default :meth:`init`."""
         return self.init(partial_specs, steps)
 
     def carried_inputs(self, carry: Sequence) -> dict:
@@ -157,6 +157,8 @@ class InPlace(Concat):
         raise ValueError("a result written in place starts from the input it is written into (initial)")
 
     def initial(self, partial_specs, steps, values):
+        if values is None:
+            return self.init(partial_specs, steps)
         return [values[k] for k in self.sources]
 
     def carried_inputs(self, carry):
@@ -583,10 +585,7 @@ class Group(Combiner):
         return out
 
     def init(self, partial_specs, steps):
-        carries = [c.init(specs, steps)
-                   for (c, _, _), specs in zip(self.parts, self._cut(partial_specs, [n for _, n, _ in self.parts]))]
-        self._carry_sizes = [len(c) for c in carries]
-        return [x for c in carries for x in c]
+        return self.initial(partial_specs, steps, None)
 
     def initial(self, partial_specs, steps, values):
         carries = [c.initial(specs, steps, values)

@@ -479,10 +479,10 @@ class _Run:
     def _said_within(self, after, figure, result) -> bool:
         """Whether XLA's figure puts the program as split within the limit the model's count is over;
         the record saying so (``explain()`` then says why no warning was given)."""
-        if figure.known and figure.bytes <= self.limit:
+        if within := figure.known and figure.bytes <= self.limit:
             result.skip([], f"the memory model counts {_mb(after)} as split, over the limit, but XLA's figure "
                             f"is {figure.bytes:,} B: within it", code=Code.CHECKED_WITHIN)
-        return figure.known and figure.bytes <= self.limit
+        return within
 
     def _warn_cannot_fit(self, est, worst, needed, after, limit, result) -> None:
         """XLA's figure has the last word; if it is over too (or unknown), one warning (pending until

@@ -199,11 +199,13 @@ def variables_as_values(graph, scope: str, min_bytes: int) -> int | None:
     """The updates of the variables of at least ``min_bytes`` made assignments of values
     (:mod:`grappler_ext.variable_updates`), so that a region can compute a weight's update slice by
     slice; the journal's mark before, or ``None`` where there were none."""
+    journal = graph_edit.active_journal()
+    if journal is None or not any(op.type in variable_updates.WRITES for op in graph.get_operations()):
+        return None                     # (a program that writes no variable: no order to compute)
     live = live_ops(graph)
     order = {op: i for i, op in enumerate(topological_order(graph, live))}
     found = variable_updates.candidates(graph, order, min_bytes)
-    journal = graph_edit.active_journal()
-    if not found or journal is None:
+    if not found:
         return None
     mark = len(journal)
     updates = variable_updates.as_values(graph, scope, found)

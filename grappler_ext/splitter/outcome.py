@@ -202,10 +202,8 @@ class LoopPlan:
         if self.fused:
             text += "; its gradients computed in the same loop"
         if self.written_into:
-            shown = ", ".join(f"`{name}`" for name in self.written_into)
-            text += f"; the new value{'s' if len(self.written_into) > 1 else ''} of {shown} written into the variable"
-            text += "s" if len(self.written_into) > 1 else ""
-            text += " slice by slice"
+            shown, s = ", ".join(f"`{name}`" for name in self.written_into), "s" if len(self.written_into) > 1 else ""
+            text += f"; the new value{s} of {shown} written into the variable{s} slice by slice"
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"
