@@ -476,6 +476,11 @@ _register("ResourceGather", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("ResourceScatterAdd ResourceScatterSub ResourceScatterUpdate ResourceScatterMul ResourceScatterDiv "
           "ResourceScatterMax ResourceScatterMin", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("Unique", Rule(Kind.LIBRARY))
+# A dense scatter (the gradient of a top-k or a gather_nd): XLA's scatter writes into a buffer of the
+# output's shape, zeros (ScatterNd: the shape is read at compile time) or the input's copy.
+_register("ScatterNd", Rule(Kind.LIBRARY, static_inputs=(2,)))
+_register("TensorScatterUpdate TensorScatterAdd TensorScatterSub TensorScatterMax TensorScatterMin",
+          Rule(Kind.LIBRARY))
 # A TensorArray written in a loop (the splitter's concatenating combiner): XLA allocates the stacked
 # buffer, which the stack reads out as its output; the reserve itself holds nothing yet.
 _register("TensorListReserve", Rule(Kind.STATIC, static_inputs=(0, 1)))

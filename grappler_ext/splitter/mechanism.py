@@ -15,7 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-from grappler_ext import gradients, graph_edit, shapes, variable_updates
+from grappler_ext import blocked_top_k, gradients, graph_edit, shapes, variable_updates
 from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
@@ -79,7 +79,8 @@ def _root_part(option, plan: ChunkPlan, region: Region):
             # Rows past a run-time length read as the reduction's identity (a matmul's: zeros).
             ins = [x if a is None else slicing.mask_rows(x, a, valid, _identity(kind, x.dtype))
                    for x, a in zip(ins, option.input_axes)]
-        outs = rules.clone_op(root, ins)
+        outs = (blocked_top_k.rebuilt(root, ins, rules.clone_op) if kind == "top_k"
+                else rules.clone_op(root, ins))
         if kind.startswith("arg"):
             return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
         if extremum:

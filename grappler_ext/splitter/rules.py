@@ -72,7 +72,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
 
-from grappler_ext import folding
+from grappler_ext import blocked_top_k, folding
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -776,12 +776,16 @@ def _cross_entropy(op, output_index, axis):
 
 
 # top_k(x, k)[i][.., s:s+c, :] = top_k(x[.., s:s+c, :], k)[i]    values and indices alike; not the
-# last axis, which it selects along
+# last axis, which it selects along.  Each slice's top-k is blocked where that is faster.
 @rule("TopKV2")
 def _top_k(op, output_index, axis):
     if axis == op.outputs[0].shape.rank - 1:
         return Refusal(f"`TopKV2` selects along axis {axis}, the split axis")
-    return Propagation((axis, None), (axis, axis))
+    return Propagation((axis, None), (axis, axis), rebuild=_blocked_top_k)
+
+
+def _blocked_top_k(op, inputs, chunk):
+    return blocked_top_k.rebuilt(op, inputs, clone_op)
 
 
 # cumsum(x, d)[.., s:s+c, ..] = cumsum(x[.., s:s+c, ..], d)     for d other than the axis

@@ -451,7 +451,25 @@ def test_batch_matmul_broadcast_operand_is_used_whole():
 
 def test_top_k_splits_both_outputs_and_keeps_k_whole():
     op = _op(lambda x: tf.math.top_k(x, 2).values, tf.TensorSpec([3, 6]))
-    assert propagate(op, 1, 0) == Propagation((0, None), (0, 0))
+    prop = propagate(op, 1, 0)
+    assert (prop.input_axes, prop.output_axes) == ((0, None), (0, 0))
+    assert not propagate(op, 0, 1)
+
+
+def test_top_k_slices_are_blocked_where_that_is_faster():
+    """A slice's top-k is rebuilt through its blocks' maxima over a long row, cloned over a short one."""
+    for n, blocked in ((6, False), (4096, True)):
+        op = _op(lambda x: tf.math.top_k(x, 2), tf.TensorSpec([3, n]), op_type="TopKV2")
+        g = tf.Graph()
+        with g.as_default():
+            x = -tf.abs(tf.random.stateless_normal([2, n], seed=[1, 2]))       # negative scores, as a kNN's
+            built = propagate(op, 0, 0).build(op, [x, tf.constant(2)], 2)
+            expected = tf.math.top_k(x, 2)
+        assert any(o.type == "Max" for o in g.get_operations()) == blocked
+        with tf.compat.v1.Session(graph=g) as sess:
+            got, want = sess.run([built, list(expected)])
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_reshape_maps_the_axis_through_a_merge_of_others():
