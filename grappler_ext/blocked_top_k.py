@@ -101,7 +101,8 @@ def _flipped(bits: tf.Tensor) -> tf.Tensor:
     """Signed integers with their magnitude bits flipped where negative: a float's bits to its key,
     and a key back to the bits."""
     width = bits.dtype.size * 8
-    flip = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, width - 1), tf.constant(2 ** (width - 1) - 1, bits.dtype))
+    magnitude = tf.constant(2 ** (width - 1) - 1, bits.dtype)
+    flip = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, width - 1), magnitude)
     return tf.bitwise.bitwise_xor(bits, flip)
 
 
