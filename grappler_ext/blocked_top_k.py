@@ -172,7 +172,7 @@ def rebuilt(op: tf.Operation, inputs: Sequence[tf.Tensor], clone) -> list[tf.Ten
 @register_pass
 class BlockedTopK(GraphPass):
     name = "blocked_top_k"
-    motive = Motive.FLOPS
+    motive = Motive.TIME
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)

@@ -33,6 +33,7 @@ from grappler_ext.xla_facts import (
 
 __all__ = [
     "Kind",
+    "is_multiply",
     "Rule",
     "RULES",
     "NO_RULE_REASONS",
@@ -145,7 +146,7 @@ def _is_constant_divisor(op: tf.Operation) -> bool:
     return _const(op.inputs[1]) is not None
 
 
-def _is_multiply(op: tf.Operation) -> bool:
+def is_multiply(op: tf.Operation) -> bool:
     """Whether ``op`` is a multiply once XLA has simplified it (``x * y``, ``x**2``, ``x / 3``)."""
     if op.type in ("Mul", "Square", "SquaredDifference"):
         return True
@@ -255,7 +256,7 @@ def reduction_plan(op: tf.Operation, ctx) -> ReductionPlan:
     x, reduced = found
     dims = _dims(x)
     widest = max((dims[a] for a in reduced), default=1)
-    if op.type in YNN_REDUCTIONS and x.dtype in YNN_DTYPES and not _is_multiply(ctx.producer(x)):
+    if op.type in YNN_REDUCTIONS and x.dtype in YNN_DTYPES and not is_multiply(ctx.producer(x)):
         return ReductionPlan(False, f"{x.dtype.name} `{op.type}` runs in YNNPACK, which reads its operand from memory")
     if widest <= FUSED_REDUCTION_MAX:
         return ReductionPlan(True, f"each reduced axis has <= {FUSED_REDUCTION_MAX} elements: one loop fusion")
@@ -452,6 +453,10 @@ _register("StridedSlice", Rule(Kind.LOOP, static_inputs=(1, 2, 3), bitcast_when=
 _register("ConcatV2", Rule(Kind.LOOP, static_inputs=(-1,)))
 # Pack is ConcatV2 of its inputs each given a new unit axis (GPflow packs shapes and small tensors).
 _register("Pack", Rule(Kind.LOOP))
+# Slices along an axis (``tf.unstack``, ``tf.split``): each output a slice, fused into its readers.
+_register("Unpack", Rule(Kind.LOOP))
+_register("Split", Rule(Kind.LOOP, static_inputs=(0,)))
+_register("SplitV", Rule(Kind.LOOP, static_inputs=(1, 2)))
 # Training steps (Keras, GPflow with the tape inside): the ops gradients and optimizers emit.
 # A variable update writes its value into the variable's buffer: the value's loop fuses into it.
 _register("AssignVariableOp AssignAddVariableOp AssignSubVariableOp", Rule(Kind.LOOP, static_inputs=(0,)))

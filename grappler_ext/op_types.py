@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from grappler_ext import shapes
 
-__all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
+__all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
+           "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
            "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "nbytes", "static_shape_reader", "reserve_space"]
 
 # Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
@@ -18,6 +19,24 @@ MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
 # Reductions with a reduction-indices operand (input 1) whose result is the reduced tensor.
 REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"})
 ARG_REDUCTIONS = frozenset({"ArgMax", "ArgMin"})
+# Elementwise ops: one output element from the same element of each input (unary), or of each input
+# broadcast numpy-style (binary and more).
+UNARY_ELEMENTWISE = frozenset((
+    "Neg Exp Expm1 Log Log1p Sqrt Rsqrt Square Abs Sign Floor Ceil Round Rint Reciprocal Inv "
+    "Sin Cos Tan Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Tanh Sigmoid Relu Relu6 Elu Selu "
+    "LeakyRelu Softplus Softsign Erf Erfc Lgamma Digamma IsNan IsInf IsFinite LogicalNot Invert "
+    "Identity StopGradient PreventGradient Snapshot Cast ZerosLike OnesLike"
+).split())
+BROADCASTING_ELEMENTWISE = frozenset((
+    "Add AddV2 Sub Mul MulNoNan RealDiv Div DivNoNan FloorDiv FloorMod TruncateDiv TruncateMod Mod "
+    "Maximum Minimum Pow SquaredDifference Xdivy Xlogy Xlog1py Atan2 "
+    "Equal NotEqual Less LessEqual Greater GreaterEqual LogicalAnd LogicalOr "
+    "BitwiseAnd BitwiseOr BitwiseXor LeftShift RightShift "
+    "SelectV2 ClipByValue AddN "
+    # Gradients of elementwise ops (same shapes): what tf.gradients emits for relu, sigmoid, ...
+    "ReluGrad Relu6Grad EluGrad SeluGrad LeakyReluGrad SoftplusGrad SoftsignGrad "
+    "SigmoidGrad TanhGrad SqrtGrad RsqrtGrad ReciprocalGrad InvGrad"
+).split())
 # Control flow: loops, branches and calls, whose bodies are functions of the graph.
 LOOP_TYPES = frozenset({"While", "StatelessWhile"})
 BRANCH_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})

@@ -125,6 +125,7 @@ class Motive(enum.Enum):
 
     MEMORY = "memory"      # fewer bytes: runs only on a program over its limit, undone if its figure rises
     FLOPS = "flops"        # fewer FLOPs by a proven margin: runs whatever the limit
+    TIME = "time"          # faster by a measured margin, within the limit by its own count: runs whatever the limit
     COMPILE = "compile"    # less work for XLA's compiler (a constant it would fold): runs whatever the limit
     LIMIT = "limit"        # meets the limit and judges its own plans (the splitter)
 

@@ -72,7 +72,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops as tf_ops
 
-from grappler_ext import blocked_top_k, folding
+from grappler_ext import blocked_top_k, folding, op_types
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -467,12 +467,7 @@ def _broadcast(op: tf.Operation, axis: int, inputs: Sequence[int]) -> tuple | Re
 
 # --- elementwise --------------------------------------------------------------------------------
 
-_UNARY = (
-    "Neg Exp Expm1 Log Log1p Sqrt Rsqrt Square Abs Sign Floor Ceil Round Rint Reciprocal Inv "
-    "Sin Cos Tan Asin Acos Atan Sinh Cosh Asinh Acosh Atanh Tanh Sigmoid Relu Relu6 Elu Selu "
-    "LeakyRelu Softplus Softsign Erf Erfc Lgamma Digamma IsNan IsInf IsFinite LogicalNot Invert "
-    "Identity StopGradient PreventGradient Snapshot Cast ZerosLike OnesLike"
-).split()
+_UNARY = tuple(sorted(op_types.UNARY_ELEMENTWISE))
 
 
 # out[.., s:s+c, ..] = f(x[.., s:s+c, ..])
@@ -495,16 +490,7 @@ def _ensure_shape(op, output_index, axis):
     return Propagation((axis,), (axis,), rebuild)
 
 
-_BROADCASTING = (
-    "Add AddV2 Sub Mul MulNoNan RealDiv Div DivNoNan FloorDiv FloorMod TruncateDiv TruncateMod Mod "
-    "Maximum Minimum Pow SquaredDifference Xdivy Xlogy Xlog1py Atan2 "
-    "Equal NotEqual Less LessEqual Greater GreaterEqual LogicalAnd LogicalOr "
-    "BitwiseAnd BitwiseOr BitwiseXor LeftShift RightShift "
-    "SelectV2 ClipByValue AddN "
-    # Gradients of elementwise ops (same shapes): what tf.gradients emits for relu, sigmoid, ...
-    "ReluGrad Relu6Grad EluGrad SeluGrad LeakyReluGrad SoftplusGrad SoftsignGrad "
-    "SigmoidGrad TanhGrad SqrtGrad RsqrtGrad ReciprocalGrad InvGrad"
-).split()
+_BROADCASTING = tuple(sorted(op_types.BROADCASTING_ELEMENTWISE))
 
 
 # out[.., s:s+c, ..] = f(x[.., s:s+c, ..], y)        y broadcast along the axis (dim 1, or missing)
