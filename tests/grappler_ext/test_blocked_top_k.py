@@ -202,3 +202,22 @@ class TestMustNotFire:
         np.testing.assert_array_equal(got[1], expected[1])
         assert not records("rewritten")
         assert "block maxima would need" in records("skipped")[0].reason
+
+
+def test_a_split_knn_search_through_the_default_pipeline():
+    """An L1 kNN over its limit: its sum unrolled, its points split into chunks, each chunk's top-k
+    blocked; equal to the search as written, and within the limit by XLA's figure."""
+    q, p = tf.random.stateless_uniform([1000, 3], seed=[4, 1]), tf.random.stateless_uniform([16000, 3], seed=[4, 2])
+
+    def knn_l1(q, p):
+        return tf.math.top_k(-tf.reduce_sum(tf.abs(q[:, None] - p[None]), -1), k=10)
+
+    expected = tf.function(knn_l1, jit_compile=True)(q, p)
+    limit = 8 * 10**6                                   # as written: 64 MB of distances, 192 MB of operand
+    tf_memsafe.enable(limit, strict=True)
+    got = tf.function(knn_l1, jit_compile=True)(q, p)
+    rewritten = {r.pass_name for rep in tf_memsafe.reports() for r in rep.records if r.action == "rewritten"}
+    assert {"unrolled_reduction", "splitter"} <= rewritten
+    assert tf_memsafe.memory_footprint(knn_l1, q, p) <= limit
+    np.testing.assert_array_equal(got[1].numpy(), expected[1].numpy())
+    np.testing.assert_array_equal(got[0].numpy(), expected[0].numpy())
