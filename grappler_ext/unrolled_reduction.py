@@ -29,6 +29,10 @@ When it applies (records say why not):
   operand is a broadcast, so that no large tensor is read D times in strides;
 * a result of at least ``MIN_ELEMENTS`` elements (below that there is nothing to measure).
 
+Records: a sum with the pattern that is refused (a small result, an operand read elsewhere) is
+recorded with the reason; sums without it (float64, long axes, multiplies, no broadcast: every
+LayerNorm's mean) are not.
+
 Why it is safe: each term computes exactly the elements the operand holds at that index, with the
 same ops, so the terms are bit-identical to the operand's slices; the sum adds them left to right,
 where XLA's reduction may associate them otherwise: results agree to rounding (a few ulps at D = 10,
@@ -73,9 +77,10 @@ class Expression:
         self.leaves = leaves
 
 
-def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str:
-    """The elementwise expression computing ``x`` (read only by ``reader``), or why there is none
-    to unroll."""
+def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str | None:
+    """The elementwise expression computing ``x`` (read only by ``reader``); ``None`` where the
+    tensors it starts from do not all carry the innermost axis (length D or 1); why it cannot be
+    unrolled where an op of it is read elsewhere too."""
     rank, depth = x.shape.rank, x.shape[-1]
     found: dict[tf.Operation, None] = {}          # in the order found; sorted below
     leaves: dict = {}
@@ -90,7 +95,7 @@ def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str:
                 stack.extend(op.inputs)
             continue
         if t.shape.rank is None or (t.shape.rank and t.shape[-1] not in (1, depth)):
-            return f"`{t.name}` {t.shape} does not carry the axis (length {depth} or 1)"
+            return None
         leaves[t.ref()] = t
     inside = set(found) | {reader}
     for op in found:
@@ -103,35 +108,27 @@ def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str:
 
 
 def _refusal(op: tf.Operation) -> str | tuple[Expression, int] | None:
-    """Why the reduction ``op`` is left alone, ``None`` where it is not one this pass reads, or
-    ``(expression, D)``."""
+    """``(expression, D)`` for a reduction this pass unrolls; why not, for one that has the pattern
+    (a broadcast elementwise operand YNNPACK would read) but is refused; ``None`` for the rest, which
+    are not recorded (every LayerNorm's mean would be)."""
     x = op.inputs[0]
     rank = x.shape.rank
-    if rank is None or rank < 2:
+    if rank is None or rank < 2 or x.dtype.base_dtype not in YNN_DTYPES:
         return None
     axes = tensor_util.constant_value(op.inputs[1])
     if axes is None or axes.size != 1 or int(axes.reshape(-1)[0]) % rank != rank - 1:
         return None
     depth = x.shape[-1]
-    if x.dtype.base_dtype not in YNN_DTYPES:
-        return f"a {x.dtype.name} sum: XLA's own loop reduction, fused already"
-    if depth is None or not 2 <= depth <= FUSED_REDUCTION_MAX:
-        return f"an innermost axis of {depth}: unrolled only from 2 to {FUSED_REDUCTION_MAX}"
-    if is_multiply(x.op):
-        return f"its operand is a multiply (`{x.op.type}`): XLA fuses it into its own reduction already"
+    if depth is None or not 2 <= depth <= FUSED_REDUCTION_MAX or is_multiply(x.op):
+        return None             # a multiply: XLA fuses it into its own reduction already
+    found = expression(x, op)
+    if found is None or (isinstance(found, Expression) and (
+            not found.ops or 2 * sum(nbytes(t) for t in found.leaves) > nbytes(x))):
+        return None             # not a broadcast: the operand's inputs are as large as it
     out = op.outputs[0]
     if not out.shape.is_fully_defined() or out.shape.num_elements() < MIN_ELEMENTS:
         return f"a result of {out.shape}: under {MIN_ELEMENTS:,} elements, nothing to gain"
-    found = expression(x, op)
-    if isinstance(found, str):
-        return found
-    if not found.ops:
-        return "its operand is not computed by elementwise ops here"
-    leaf_bytes = sum(nbytes(t) for t in found.leaves)
-    if 2 * leaf_bytes > nbytes(x):
-        return (f"its operand's inputs hold {leaf_bytes:,} B of its {nbytes(x):,} B: not a broadcast, and each "
-                "term would read them in strides")
-    return found, depth
+    return found if isinstance(found, str) else (found, depth)
 
 
 def _terms(found: Expression, depth: int) -> list[tf.Tensor]:

@@ -18,7 +18,10 @@ any op with a rule     an axis of its output (rows of a top-k, a       ``concat`
                        matmul, an elementwise result)
 ``Sum``/``Mean``/...   a reduced axis                                   ``sum``/``mean``/``max``..
 ``ArgMax``/``ArgMin``  the reduced axis                                 running arg (first index)
-``TopKV2``             the top-k axis (needs chunks of at least k)      running top-k merge
+``TopKV2``             the top-k axis (needs chunks of at least k)      running top-k merge (each
+                                                                       slice's own top-k through
+                                                                       its blocks' maxima:
+                                                                       :mod:`~grappler_ext.blocked_top_k`)
 ``MatMul``/batched     the contracting axis                             ``sum``
 =====================  ==============================================  =======================
 
@@ -109,8 +112,10 @@ alone are over the limit); plan all regions jointly (each plans against the prog
 assuming the other large tensors will be split: :func:`.analysis.needed_now` checks the result after each
 rewrite); model the layout copies XLA makes of a loop's whole inputs for the dots in its body.
 
-Pipeline position: last, after the rewrites that make regions cheaper (``pairwise_distance`` turns
-an [N, M, D] broadcast into an [N, M] matmul; the splitter then only has [N, M] to slice).
+Pipeline position: after the rewrites that make regions cheaper (``pairwise_distance`` turns
+an [N, M, D] broadcast into an [N, M] matmul, ``unrolled_reduction`` an L1 distance's into a sum of
+[N, M] terms; the splitter then only has [N, M] to slice), and before ``blocked_top_k``, which
+takes the top-k's it leaves whole.
 Programs are checked and loops sized with XLA's figures only when the pass is given a
 :class:`~grappler_ext.measure.Measurer` (``tf_memsafe`` gives its own); without one, the memory model decides.
 

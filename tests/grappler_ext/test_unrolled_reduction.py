@@ -122,18 +122,20 @@ class TestMustNotFire:
         plain = format_graph(traced(fn, *args, rewrite=False))
         assert format_graph(traced(fn, *args)) == plain
         assert not records("rewritten")
-        if said is not None:
+        if said is None:
+            assert not records(), "a sum without the pattern is not recorded"
+        else:
             assert any(said in r.reason for r in records("skipped")), [r.reason for r in records()]
 
     def test_a_multiply_operand_xla_fuses_already(self):
-        self.unchanged(lambda q, p: tf.reduce_sum(tf.square(q[:, None] - p[None]), -1), Q, P, said="a multiply")
+        self.unchanged(lambda q, p: tf.reduce_sum(tf.square(q[:, None] - p[None]), -1), Q, P)
 
     def test_float64(self):
-        self.unchanged(l1, tf.cast(Q, tf.float64), tf.cast(P, tf.float64), said="float64")
+        self.unchanged(l1, tf.cast(Q, tf.float64), tf.cast(P, tf.float64))
 
     def test_an_axis_over_32(self):
         q, p = tf.zeros([200, 33]), tf.zeros([400, 33])
-        self.unchanged(l1, q, p, said="from 2 to 32")
+        self.unchanged(l1, q, p)
 
     def test_not_the_innermost_axis(self):
         self.unchanged(lambda q, p: tf.reduce_sum(tf.abs(q[:, None] - p[None]), 1), Q, P)
@@ -143,7 +145,7 @@ class TestMustNotFire:
 
     def test_no_broadcast(self):
         x = tf.random.stateless_uniform([200, 400, 3], seed=[2, 2])
-        self.unchanged(lambda x: tf.reduce_sum(tf.abs(x - 0.5), -1), x, said="not a broadcast")
+        self.unchanged(lambda x: tf.reduce_sum(tf.abs(x - 0.5), -1), x)
 
     def test_an_operand_read_elsewhere(self):
         def fn(q, p):

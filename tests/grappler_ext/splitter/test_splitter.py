@@ -400,6 +400,45 @@ def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     assert after <= 16 * 10**6
 
 
+@pytest.mark.parametrize("mask", ["causal", "padding"])
+def test_online_softmax_backward_with_masks(monkeypatch, mask):
+    """The online softmax's backward is FlashAttention-2's (the forward's row max and normaliser kept,
+    each block of keys' probabilities recomputed once, dS = P (dP - rowsum(dO O))): its gradients
+    equal the unsplit ones in float64 under a causal mask (a band, rebuilt per slice at its offset)
+    and a padding mask (keys past a length read as -inf), masked rows' gradients included."""
+    offered = analysis.root_options
+    monkeypatch.setattr(analysis, "root_options",
+                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+    n = 4000
+    q, k, v = (points(n, 16, tf.float64, seed=s) for s in (3, 4, 5))
+
+    def masked(q, k, v):
+        scores = tf.matmul(q, k, transpose_b=True) / 4.0                              # [n, n]
+        if mask == "causal":
+            keep = tf.linalg.band_part(tf.ones([n, n], tf.float64), -1, 0) > 0
+        else:
+            keep = tf.range(n)[None, :] < 3 * n // 4
+        scores = tf.where(keep, scores, tf.constant(-1e9, tf.float64))
+        return tf.nn.softmax(scores, axis=-1) @ v
+
+    def grads():
+        f = tf.function(masked, jit_compile=True)
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = f(q, k, v)
+            loss = tf.reduce_sum(tf.sin(out))
+        return out, tape.gradient(loss, [q, k, v])
+
+    expected, expected_grads = grads()
+    tf_memsafe.enable(48 * 10**6, strict=True)
+    with splitter_only():
+        got, got_grads = grads()
+    assert rewrites() and {root.kind for r in rewrites() for root in r.plan.roots} == {"online_softmax"}
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+    for g, e in zip(got_grads, expected_grads):
+        np.testing.assert_allclose(g, e, rtol=1e-9, atol=1e-11)
+
+
 def test_top_k_values_gradient_routes_to_the_selected_points():
     x, y = points(2000, 3, tf.float64), points(3000, 3, tf.float64, seed=1)
 
