@@ -22,9 +22,14 @@ def test_quick_run_writes_csv_json_and_plot(tmp_path):
     assert set(by) == {(*w, c) for w in chosen for c in ("fits", "limit/10", "limit/100")}
     for workload, mode in chosen:
         fits = by[workload, mode, "fits"]
-        # Limit = 2 x the naive footprint: the splitter leaves the program exactly as written.
-        assert fits["status"] == "unchanged" and fits["rewrites"] == "0", fits
-        assert fits["rewritten_bytes"] == fits["naive_bytes"]
+        # Limit = 2 x the naive footprint: nothing is split.  The kernel sums are left exactly as written;
+        # kNN's top-k goes through its blocks' maxima (blocked_top_k: a speed rewrite, bit-identical).
+        assert fits["split"] == "", fits
+        if workload == "knn":
+            assert fits["status"] in ("unchanged", "rewritten") and int(fits["rewrites"]) <= 1, fits
+        else:
+            assert fits["status"] == "unchanged" and fits["rewrites"] == "0", fits
+            assert fits["rewritten_bytes"] == fits["naive_bytes"]
         assert fits["within_limit"] == "True"
         assert float(fits["err_rewritten"]) == 0.0
     for workload in ("knn", "kernel_matvec"):
