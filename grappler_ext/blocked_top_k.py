@@ -33,9 +33,9 @@ back (the map is its own inverse) is the block's greatest element itself.  An el
 chosen blocks is beaten by each chosen block's maximum: strictly where that maximum is greater, and by
 index where it is equal (a tie between blocks' maxima goes to the lower block, which holds the lower
 indices).  So the k best elements all lie in the chosen blocks; those are read in the order of their
-indices, so that the last top-k breaks ties as the whole one does.  A last block shorter than ``B`` is
-filled with the least key and its candidates past ``n`` with the least value, which lose every tie
-(their indices are the highest).  ``sorted=False`` asks for no order: the result is sorted anyway.
+indices, so that the last top-k breaks ties as the whole one does.  A last block shorter than ``B`` has
+the maximum of what it holds, and its candidates past ``n`` read as the least value, which lose every
+tie (their indices are the highest).  ``sorted=False`` asks for no order: the result is sorted anyway.
 
 Gradients: the values are a gather of ``x`` followed by a top-k, both differentiable; the keys are
 integers, read only for the indices.  A gradient recorded inside the function reads the op's indices,
@@ -120,11 +120,12 @@ def top_k(x: tf.Tensor, k: int, block: int = BLOCK, index_dtype: tf.DType = tf.i
     lead = x.shape[:-1]
     rows = tf.reshape(x, [-1, n])                                             # [P, n]
     pad = -n % block
-    blocks = (n + pad) // block
+    whole = n // block                                                        # blocks of B; one more if pad
     keys = order_keys(rows)
+    best = tf.reduce_max(tf.reshape(keys[:, :whole * block], [-1, whole, block]), axis=-1)   # [P, n / B]
     if pad:
-        keys = tf.pad(keys, [[0, 0], [0, pad]], constant_values=keys.dtype.min)
-    best = tf.reduce_max(tf.reshape(keys, [-1, blocks, block]), axis=-1)      # [P, n / B]
+        # The short last block's maximum (a slice XLA fuses, where padding the keys was 3x slower).
+        best = tf.concat([best, tf.reduce_max(keys[:, whole * block:], axis=-1, keepdims=True)], axis=-1)
     if keys.dtype != rows.dtype:
         best = tf.bitcast(_flipped(best), rows.dtype)                       # each block's greatest element
     _, chosen = tf.math.top_k(best, k)                                        # [P, k]
