@@ -367,6 +367,16 @@ def test_nan_in_a_split_max_or_min_propagates_as_in_tensorflow(monkeypatch):
         np.testing.assert_allclose(g, e, rtol=1e-12)                            # NaN where NaN
 
 
+def output_and_grads(fn, q, k, v):
+    """``fn(q, k, v)`` traced anew with ``jit_compile`` and the gradients of ``sum(sin(out))`` by a tape outside."""
+    f = tf.function(fn, jit_compile=True)
+    with tf.GradientTape() as tape:
+        tape.watch([q, k, v])
+        out = f(q, k, v)
+        loss = tf.reduce_sum(tf.sin(out))
+    return out, tape.gradient(loss, [q, k, v])
+
+
 def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     """softmax(q k^T / 8) v with 64 queries and 20000 keys: scores [64, 20000] f64 = 10 MB.  Here
     only the key split is offered (row splits, which the planner prefers here, are withheld), so
@@ -379,18 +389,10 @@ def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     def cross_attention(q, k, v):
         return tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / 8.0, axis=-1) @ v   # [64, 32]
 
-    def grads():
-        f = tf.function(cross_attention, jit_compile=True)
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            out = f(q, k, v)
-            loss = tf.reduce_sum(tf.sin(out))
-        return out, tape.gradient(loss, [q, k, v])
-
-    expected, expected_grads = grads()
+    expected, expected_grads = output_and_grads(cross_attention, q, k, v)
     tf_memsafe.enable(16 * 10**6, strict=True)
     with splitter_only():
-        got, got_grads = grads()
+        got, got_grads = output_and_grads(cross_attention, q, k, v)
         after = tf_memsafe.memory_footprint(cross_attention, q, k, v)
     described = {r.plan.describe() for r in rewrites()}
     assert described == {"`MatMul` online_softmax over input 0 axis 1, input 1 axis 0"}
@@ -421,18 +423,10 @@ def test_online_softmax_backward_with_masks(monkeypatch, mask):
         scores = tf.where(keep, scores, tf.constant(-1e9, tf.float64))
         return tf.nn.softmax(scores, axis=-1) @ v
 
-    def grads():
-        f = tf.function(masked, jit_compile=True)
-        with tf.GradientTape() as tape:
-            tape.watch([q, k, v])
-            out = f(q, k, v)
-            loss = tf.reduce_sum(tf.sin(out))
-        return out, tape.gradient(loss, [q, k, v])
-
-    expected, expected_grads = grads()
+    expected, expected_grads = output_and_grads(masked, q, k, v)
     tf_memsafe.enable(48 * 10**6, strict=True)
     with splitter_only():
-        got, got_grads = grads()
+        got, got_grads = output_and_grads(masked, q, k, v)
     assert rewrites() and {root.kind for r in rewrites() for root in r.plan.roots} == {"online_softmax"}
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
     for g, e in zip(got_grads, expected_grads):
