@@ -43,7 +43,7 @@ which it then reads from the new op (the same values).
 
 The splitter (:mod:`grappler_ext.splitter`) uses :func:`top_k` for each slice's top-k where a
 top-k's axis is split into chunks (a kNN search over more points than fit): :func:`rebuilt` clones the
-op where :func:`refusal` says no, for the slice's own length.
+op where :func:`refusal` says no for the slice's own length.
 
 Pipeline position: last, after the splitter, on the top-k's it left in the program (a top-k that fits);
 before it, the splitter would no longer see a ``TopKV2`` root to split the points along.
@@ -158,16 +158,19 @@ def _index_dtype(op: tf.Operation) -> tf.DType:
         return tf.int32
 
 
-def rebuilt(op: tf.Operation, inputs: Sequence[tf.Tensor], clone) -> list[tf.Tensor]:
-    """``TopKV2`` ``op`` on ``inputs``: blocked where :func:`refusal` allows at the inputs' length,
-    else ``clone(op, inputs)``."""
-    x = inputs[0]
+def _decide(op: tf.Operation, x: tf.Tensor) -> tuple[int | None, str | None]:
+    """``TopKV2`` ``op`` on ``x``: its ``k`` and :func:`refusal`'s answer at ``x``'s length."""
     k = _k_of(op)
-    n = x.shape[-1] if x.shape.rank else None
-    if refusal(n, k, x.dtype) is not None:
-        return clone(op, inputs)
-    values, indices = top_k(x, k, index_dtype=_index_dtype(op))
-    return [values, indices]
+    return k, refusal(x.shape[-1] if x.shape.rank else None, k, x.dtype)
+
+
+def rebuilt(op: tf.Operation, inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``TopKV2`` ``op`` on ``inputs``: blocked where :func:`refusal` allows at the inputs' length,
+    else cloned."""
+    k, why = _decide(op, inputs[0])
+    if why is not None:
+        return graph_edit.clone_op(op, inputs)
+    return list(top_k(inputs[0], k, index_dtype=_index_dtype(op)))
 
 
 @register_pass
@@ -189,9 +192,7 @@ class BlockedTopK(GraphPass):
             room = None if estimate.peak_bytes is None else int(_TRUST * limit) - estimate.peak_bytes
         for op in found:
             x = op.inputs[0]
-            k = _k_of(op)
-            n = x.shape[-1] if x.shape.rank else None
-            why = refusal(n, k, x.dtype)
+            k, why = _decide(op, x)
             if why is not None:
                 result.skip([op], f"a top-k left as it is: {why}", bytes_before=nbytes(x))
                 continue

@@ -31,7 +31,7 @@ from grappler_ext import graph_query
 
 __all__ = [
     "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "on_undo", "building", "replace_uses",
-    "rewire_input", "set_output", "consumers", "EditError", "is_generated",
+    "rewire_input", "set_output", "consumers", "EditError", "is_generated", "clone_op",
 ]
 
 GENERATED_SCOPE = "tf_memsafe"  # Name scope of every op tf_memsafe builds: marks what we generated.
@@ -137,6 +137,20 @@ def building(graph, scope: str) -> Iterator[None]:
     """Build new ops in ``graph`` under the name scope ``tf_memsafe/<scope>``."""
     with graph.as_default(), tf.name_scope(f"{GENERATED_SCOPE}/{scope}/"):
         yield
+
+
+def clone_op(op: tf.Operation, new_inputs, attrs: dict | None = None) -> list[tf.Tensor]:
+    """Re-create ``op`` (same type and attributes, no control inputs) on ``new_inputs`` in the
+    current default graph, and return its outputs; ``attrs``: ``AttrValue``s that replace the
+    original's.  Shape inference runs on the new inputs, and a ``FuncGraph`` captures inputs from
+    outer graphs."""
+    # Private attributes (colocation, XLA scopes, ...) belong to the original node, not to a copy.
+    values = {name: value for name, value in op.node_def.attr.items() if not name.startswith("_")}
+    values.update(attrs or {})
+    new_op = tf.compat.v1.get_default_graph()._create_op_internal(  # noqa: SLF001 - runs shape inference
+        op.type, list(new_inputs), dtypes=[t.dtype for t in op.outputs], attrs=values,
+        name=op.name.rsplit("/", 1)[-1])
+    return list(new_op.outputs)
 
 
 def consumers(tensor: tf.Tensor) -> list[tuple[tf.Operation, int]]:

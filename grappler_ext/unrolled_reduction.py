@@ -49,13 +49,13 @@ no [N, M, D] operand.  It fires whether or not the program fits: it is faster an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext import gradients, graph_edit
-from grappler_ext.graph_query import live_ops
+from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.memory_rules import is_multiply
 from grappler_ext.op_types import BROADCASTING_ELEMENTWISE, UNARY_ELEMENTWISE, nbytes
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
@@ -68,13 +68,13 @@ MIN_ELEMENTS = 1 << 16
 _ELEMENTWISE = (UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE) - {"ZerosLike", "OnesLike"}
 
 
+@dataclasses.dataclass(frozen=True)
 class Expression:
-    """The elementwise ops an innermost reduction reads (``ops``, in topological order, the last one
+    """The elementwise ops an innermost reduction reads (``ops``, in a topological order, the last one
     computing its operand) and the tensors they start from (``leaves``)."""
 
-    def __init__(self, ops: list[tf.Operation], leaves: list[tf.Tensor]):
-        self.ops = ops
-        self.leaves = leaves
+    ops: list[tf.Operation]
+    leaves: list[tf.Tensor]
 
 
 def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str | None:
@@ -103,8 +103,8 @@ def expression(x: tf.Tensor, reader: tf.Operation) -> Expression | str | None:
         if outside:
             return (f"`{op.name}` is read outside the sum too (by `{outside[0].name}`): its [.., {depth}] tensor "
                     "exists anyway")
-    order = {op: i for i, op in enumerate(x.graph.get_operations())}
-    return Expression(sorted(found, key=order.__getitem__), list(leaves.values()))
+    # (creation order is not topological once an earlier pass has rewired inputs)
+    return Expression(topological_order(x.graph, found), list(leaves.values()))
 
 
 def _refusal(op: tf.Operation) -> str | tuple[Expression, int] | None:
@@ -145,16 +145,9 @@ def _terms(found: Expression, depth: int) -> list[tf.Tensor]:
     for j in range(depth):
         env = {ref: cols[j] for ref, cols in columns.items()}
         for op in found.ops:
-            env[op.outputs[0].ref()] = _clone(op, [env[t.ref()] for t in op.inputs])
+            env[op.outputs[0].ref()] = graph_edit.clone_op(op, [env[t.ref()] for t in op.inputs])[0]
         terms.append(env[found.ops[-1].outputs[0].ref()])
     return terms
-
-
-def _clone(op: tf.Operation, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
-    attrs = {name: value for name, value in op.node_def.attr.items() if not name.startswith("_")}
-    new = op.graph._create_op_internal(  # noqa: SLF001 - the same op on other inputs, shapes inferred
-        op.type, list(inputs), dtypes=[t.dtype for t in op.outputs], attrs=attrs, name=op.name.rsplit("/", 1)[-1])
-    return new.outputs[0]
 
 
 @register_pass

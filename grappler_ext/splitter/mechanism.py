@@ -79,8 +79,7 @@ def _root_part(option, plan: ChunkPlan, region: Region):
             # Rows past a run-time length read as the reduction's identity (a matmul's: zeros).
             ins = [x if a is None else slicing.mask_rows(x, a, valid, _identity(kind, x.dtype))
                    for x, a in zip(ins, option.input_axes)]
-        outs = (blocked_top_k.rebuilt(root, ins, rules.clone_op) if kind == "top_k"
-                else rules.clone_op(root, ins))
+        outs = blocked_top_k.rebuilt(root, ins) if kind == "top_k" else rules.clone_op(root, ins)
         if kind.startswith("arg"):
             return [outs[0], combiners.value_at(ins[0], outs[0], option.input_axes[0])]
         if extremum:

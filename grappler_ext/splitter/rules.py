@@ -70,9 +70,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import ops as tf_ops
 
-from grappler_ext import blocked_top_k, folding, op_types
+from grappler_ext import blocked_top_k, folding, graph_edit, op_types
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -395,21 +394,10 @@ def _attr_value(value) -> attr_value_pb2.AttrValue:
 
 
 def _clone(op: tf.Operation, new_inputs: Sequence[tf.Tensor], **overrides) -> list[tf.Tensor]:
-    graph = tf_ops.get_default_graph()
-    # Private attributes (colocation, XLA scopes, ...) belong to the original node, not to a copy.
-    attrs = {name: value for name, value in op.node_def.attr.items() if not name.startswith("_")}
-    attrs.update({name: _attr_value(value) for name, value in overrides.items()})
-    new_op = graph._create_op_internal(  # noqa: SLF001 - runs shape inference; a FuncGraph captures
-        op.type, list(new_inputs), dtypes=[t.dtype for t in op.outputs], attrs=attrs,
-        name=op.name.rsplit("/", 1)[-1])
-    return list(new_op.outputs)
+    return graph_edit.clone_op(op, new_inputs, {name: _attr_value(value) for name, value in overrides.items()})
 
 
-def clone_op(op: tf.Operation, new_inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """Re-create ``op`` (same type and attributes, no control inputs) on ``new_inputs`` in the
-    current default graph, and return its outputs.  Shape inference runs on the new inputs, and a
-    ``FuncGraph`` captures inputs from outer graphs."""
-    return _clone(op, new_inputs)
+clone_op = graph_edit.clone_op
 
 
 def _with_chunk(dims: Sequence[int | None], axis: int, chunk: int) -> list[int]:
@@ -771,7 +759,7 @@ def _top_k(op, output_index, axis):
 
 
 def _blocked_top_k(op, inputs, chunk):
-    return blocked_top_k.rebuilt(op, inputs, clone_op)
+    return blocked_top_k.rebuilt(op, inputs)
 
 
 # cumsum(x, d)[.., s:s+c, ..] = cumsum(x[.., s:s+c, ..], d)     for d other than the axis
