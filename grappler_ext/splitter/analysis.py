@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext import folding, graph_edit, memory_model, shapes
-from grappler_ext.graph_query import ancestors
+from grappler_ext.graph_query import ancestors, live_ops
 from grappler_ext.op_types import (
     ARG_REDUCTIONS,
     BRANCH_TYPES,
@@ -44,7 +44,7 @@ from grappler_ext.splitter.outcome import Code, RootSplit, Why
 from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
-           "downstream", "const_axes", "joined_bytes", "assigned", "updates_variable", "written_into",
+           "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "written_into",
            "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
@@ -88,9 +88,11 @@ class RootOption:
         return self.split.describe()
 
 
-def root_options(root: tf.Operation) -> list[RootOption]:
+def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[RootOption]:
     """Every way ``root`` can end a loop: an axis of its output (joined), a reduced axis (folded),
-    the top-k axis, a matmul's contracting axis, and softmax(S) @ V over slices of the keys."""
+    the top-k axis, a matmul's contracting axis, and softmax(S) @ V over slices of the keys (whose
+    softmax nothing else reads but the ops in ``ignored``: the gradients inside the function, rebuilt
+    through the loop)."""
     options = []
     out0 = root.outputs[0] if root.outputs else None
     if out0 is not None and out0.shape.rank:
@@ -121,7 +123,7 @@ def root_options(root: tf.Operation) -> list[RootOption]:
         options.append(RootOption(root, "sum", (a_axis, b_axis)))
         probs = root.inputs[0]
         # softmax(S) @ V over slices of the keys: S's last axis is the contracting axis.
-        if (probs.op.type == "Softmax" and not ta and probs.consumers() == [root]
+        if (probs.op.type == "Softmax" and not ta and all(c is root or c in ignored for c in probs.consumers())
                 and probs.dtype.is_floating and shapes.is_static(probs.op.inputs[0])):
             options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
@@ -614,6 +616,15 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
             if c in order_index and c not in inside and c not in backward and not static_shape_reader(c):
                 return False
     return True
+
+
+def forget_dead(order_index: dict, graph) -> None:
+    """Ops a split left dead dropped from ``order_index`` (the order later regions are planned on):
+    a later region must neither grow through nor end at the ops a loop replaced (an attention's
+    scores, still read by its queries' projection, which a later region would otherwise split again)."""
+    live = live_ops(graph)
+    for op in [op for op in order_index if op not in live]:
+        del order_index[op]
 
 
 def downstream(op: tf.Operation, order_index: dict, depth: int) -> list[tf.Operation]:

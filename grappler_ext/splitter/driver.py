@@ -35,8 +35,7 @@ def _mb(n: int | None) -> str:
 
 def _loops(result: PassResult) -> str:
     """"1 loop", "3 loops": the loops ``result`` has built so far."""
-    n = len(result.rewritten)
-    return f"{n} loop{'s' if n > 1 else ''}"
+    return f"{len(result.rewritten)} loop{'s' if len(result.rewritten) > 1 else ''}"
 
 
 @register_pass
@@ -433,13 +432,14 @@ class _Run:
         step_of = {step.op: i for i, step in enumerate(est.schedule)}
         region = _Region(self, est, info, step_of, order_index, backward, limit, result)
         for tensor in tensors:
-            if tensor.op in done:
+            if tensor.op in done or tensor.op not in order_index:
                 continue
             outcome = region.split_around(tensor)
             if outcome is None:
                 self.hoped.discard(tensor.name)
                 continue
             done |= outcome
+            analysis.forget_dead(order_index, graph)
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
             after = analysis.needed_now(graph, planned, self.loop_bytes)
             if after <= limit * t.model_trust and trust_model:      # as a program left alone must
@@ -523,11 +523,9 @@ class _Region:
 
     def split_around(self, tensor) -> set | None:
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
-        run, t, info = self.run, self.tuning, self.info
-        reasons: list[Why] = []
-        beside = self.beside(tensor)
+        run, t, info, reasons, beside = self.run, self.tuning, self.info, [], self.beside(tensor)
         near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
-        candidates = [[option] for root in near for option in analysis.root_options(root)]
+        candidates = [[option] for root in near for option in analysis.root_options(root, self.backward)]
         candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
         best = self.best_root(candidates, tensor, beside, reasons)
         if best is None or best.planned.best_effort is not None or not best.planned.chunks.splits:
@@ -537,7 +535,7 @@ class _Region:
             # reaches hundreds of ops in a Transformer's training step.
             seen = set(near)
             far = [[option] for root in analysis.downstream(tensor.op, self.order_index, t.root_depth_wide)
-                   if root not in seen for option in analysis.root_options(root)
+                   if root not in seen for option in analysis.root_options(root, self.backward)
                    if analysis.joined_bytes([option]) <= self.budget / 2]
             wider = self.best_root(far, tensor, beside, reasons)
             if wider is not None and (best is None or wider.key < best.key):
@@ -599,7 +597,8 @@ class _Region:
                 if draws:
                     # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
                     self.reseed.tensor = mechanism.call_seed()
-                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused=fused is not None)
+                tiled = mechanism.tiles(options, grown.region, chunks, backward_chunk, fused is not None)
+                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused is not None, tiled)
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:
             self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                              code=Code.BUILD_FAILED)
@@ -636,7 +635,7 @@ class _Region:
                         sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
                         loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
                         rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
-                        dynamic=grown.region.dynamic, fused=fused is not None,
+                        dynamic=grown.region.dynamic, fused=fused is not None, tiles=tiled and tiled[0].count(tiled[1]),
                         written_into=mechanism.written_variables(graph, grown.region))
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
@@ -690,7 +689,8 @@ class _Region:
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
-            key = policy.rank(planned, options, held, self.budget, t, grown.region.written_into)
+            key = policy.rank(planned, options, held, self.budget, t, grown.region.written_into,
+                              mechanism.computed_share(options, grown.region, planned))
             if best is None or key < best.key:
                 best = _Candidate(key, options, grown, planned, remat)
         return best

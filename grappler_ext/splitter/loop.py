@@ -164,18 +164,24 @@ def _whole_value(t: tf.Tensor, env: dict, what: str) -> tf.Tensor:
     return tf.constant(value, dtype=t.dtype)
 
 
-def _slice_builder(region: Region, external: Sequence[tf.Tensor]):
+def region_inputs(region: Region) -> dict:
+    """The inputs of the region's ops as they are now: ``{op: [tensor, ...]}``."""
+    return {op: list(op.inputs) for op in region.ops}
+
+
+def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dict | None = None):
     """``build(values, offset, chunk) -> (partials, sliced)``: one slice of the region.
 
     ``values`` stand for ``external`` (the originals, or identities of them under a gradient tape);
     ``sliced`` are the slices of the inputs read sliced, in ``external`` order (``None`` where an
     input is only read whole), cut from ``sliced_from`` if given (default ``values``): the backward
     cuts them from other identities, so that the gradient of an input read both ways (``x x^T``,
-    K(Z, Z) split by columns) through ``values`` is its whole reads' part only.
+    K(Z, Z) split by columns) through ``values`` is its whole reads' part only.  ``op_inputs``: the
+    region's ops' inputs as read earlier (:func:`region_inputs`), for a builder made later.
     """
     # The region's ops are read as they are now: a later split may rewire these (dead) ops' inputs
     # to its own outputs, and this builder runs again when the gradients are rebuilt.
-    op_inputs = {op: list(op.inputs) for op in region.ops}
+    op_inputs = op_inputs or region_inputs(region)
     refs = [t.ref() for t in external]
     written = {root: (refs.index(t.ref()), region.sliced_inputs[t.ref()])
                for root, t in region.written_into.items() if root in op_inputs}
@@ -537,19 +543,22 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
                                               totals[:n])
 
 
-def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of):
+def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_values=None):
     """One slice built and differentiated in the current graph (a loop's body).
 
     ``run(inner, sliced_from) -> (partials, sliced)`` builds the slice on identities of ``values``,
     its slices cut from identities of their own (``sliced_from``): tf.gradients with respect to
-    ``inner`` would otherwise add the slices' part again to an input read both ways.
+    ``inner`` would otherwise add the slices' part again to an input read both ways.  The slices are
+    cut from ``sliced_values`` where given (not ``None``): a tiled loop's block reads its queries
+    whole cut to the block's rows, and its keys sliced from all the rows.
     ``upstream_of(partials)`` gives each partial's upstream gradient (``None``: none).  Returns
     ``(partials, sliced_grads, whole_grads)``: the gradients of the slices where ``sliced_ok`` and
     of the inputs read whole where ``whole_ok``; zeros where unconnected, ``None`` where not asked
     for.  Symbolic gradients: a GradientTape would not record here, because TensorFlow stops every
     tape while it runs a gradient function."""
     inner = [tf.identity(v) for v in values]
-    partials, sliced = run(inner, [tf.identity(v) for v in values])
+    sources = values if sliced_values is None else [v if s is None else s for v, s in zip(values, sliced_values)]
+    partials, sliced = run(inner, [tf.identity(v) for v in sources])
     ups = upstream_of(partials)
     targets = [p for p, u in zip(partials, ups) if u is not None]
     ups = [u for u in ups if u is not None]

@@ -4,7 +4,8 @@
 
 Given the roots' options (:class:`~.analysis.RootOption`), a grown region and a chunk plan, this
 module makes each root's partial result of one slice and the combiner that folds them
-(:func:`combined`), builds the loop with its gradient (:func:`build`), installs it in place of the
+(:func:`combined`), builds the loop with its gradient (:func:`build`; an attention's in 2-D tiles where
+masked tiles can be skipped, :func:`tiles`), installs it in place of the
 roots (:func:`install`: readers rewired, recorded gradients retargeted, static shape readers folded;
 :func:`rebuild_gradients`), and builds the loop alone as a function for XLA to measure (:func:`loop_figure`).
 Every fallible step runs before the first rewiring.
@@ -19,15 +20,15 @@ from grappler_ext import blocked_top_k, gradients, graph_edit, shapes, variable_
 from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
-from grappler_ext.splitter import combiners, rules, slicing
+from grappler_ext.splitter import combiners, rules, slicing, tiled_loop, tiling
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, external_inputs, forward_program, fused_program
 from grappler_ext.splitter.loop import fusable as loop_fusable
+from grappler_ext.splitter.tiling import TilePlan
 
-__all__ = ["combined", "fusable", "build", "install", "rebuild_gradients", "variables_as_values", "written_variables",
-           "loop_figure",
-           "call_seed", "new_loops"]
+__all__ = ["combined", "fusable", "tiles", "untiled", "computed_share", "build", "install", "rebuild_gradients",
+           "variables_as_values", "written_variables", "loop_figure", "call_seed", "new_loops"]
 
 
 def call_seed() -> tf.Tensor:
@@ -152,16 +153,56 @@ def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
             and gradients.differentiated(graph, [o.root for o in options]))
 
 
-def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False) -> list[tf.Tensor]:
+def tiles(options, region: Region, plan: ChunkPlan, backward_chunk: int,
+          fused: bool = False) -> tuple[TilePlan, TilePlan] | None:
+    """The 2-D tiles, forward's and gradient's, for an attention split along its keys (masked tiles
+    skipped: :mod:`.tiling`), each no larger than its loop's slices, or ``None`` (:func:`untiled`
+    says why)."""
+    tiled = untiled(options, region, plan, backward_chunk, fused)
+    return None if isinstance(tiled, str) else tiled
+
+
+def untiled(options, region: Region, plan: ChunkPlan, backward_chunk: int,
+            fused: bool = False) -> tuple[TilePlan, TilePlan] | str:
+    """:func:`tiles`' plans, or why the loop is not tiled."""
+    if fused or len(options) != 1 or options[0].kind != "online_softmax":
+        return "not one attention split along its keys"
+    queries = options[0].requests[0][0].shape[-2]
+    combiner, specs, _, _ = combined(options, region, plan)
+    plans = []
+    # A tile's gradient holds about twice the forward's tensors a score (the probabilities and their
+    # gradient, recomputed), not the untiled gradient's slice of every query row: half the forward's tile.
+    for chunk in (plan.chunk, min(plan.chunk, max(backward_chunk, plan.chunk // 2))):
+        tiled = tiling.plan(region, options[0], external_inputs(region), queries * chunk)
+        why = tiled if isinstance(tiled, str) else tiled_loop.check(region, tiled, combiner, specs)
+        if why is not None:
+            return why
+        plans.append(tiled)
+    return plans[0], plans[1]
+
+
+def computed_share(options, region: Region, planned) -> float:
+    """The share of an attention's tiles its loop computes (1 where it is not tiled), for the
+    splitter's ranking (:func:`.policy.rank`): a causal mask's loop computes about half of them."""
+    tiled = tiles(options, region, planned.chunks, planned.backward_chunk) if planned.chunks.splits else None
+    return 1.0 if tiled is None else 1 - tiled[0].skipped / tiled[0].total
+
+
+def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False,
+          tiled: tuple[TilePlan, TilePlan] | None = None) -> list[tf.Tensor]:
     """The loop for ``region`` in ``plan``'s chunks (its gradient in ``backward_chunk``), built in
     the default graph: the roots' outputs, in order.  ``fused``: the gradients computed in the same
-    loop, in ``plan``'s chunks (where :func:`fusable`)."""
+    loop, in ``plan``'s chunks (where :func:`fusable`); ``tiled``: an attention's loop in these tiles
+    (:func:`tiles`)."""
     combiner, specs, differentiable, counts = combined(options, region, plan)
     target = loop_fusable(combiner, specs) if fused and differentiable else None
     if fused and target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")
-    outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
-                          backward_chunk=backward_chunk, fused=target)
+    if tiled is not None:
+        outputs = tiled_loop.build_tiled(region, *tiled, combiner, specs, differentiable=differentiable)
+    else:
+        outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
+                              backward_chunk=backward_chunk, fused=target)
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Growth"]
+__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "Growth"]
 
 
 class Code(str, enum.Enum):
@@ -118,6 +118,25 @@ class BestEffort:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tiles:
+    """An attention's loop in tiles of ``query_block`` rows by ``key_block`` keys, ``skipped`` of
+    ``total`` proven masked and not computed (:mod:`.tiling`); its gradient's tiles ``backward``."""
+
+    query_block: int
+    key_block: int
+    skipped: int
+    total: int
+    backward: tuple[int, int] | None = None
+
+    def render(self) -> str:
+        text = (f"in tiles of {self.query_block} queries x {self.key_block} keys, {self.skipped} of {self.total} "
+                "masked and skipped")
+        if self.backward is not None and self.backward != (self.query_block, self.key_block):
+            text += f" (its gradient in tiles of {self.backward[0]} x {self.backward[1]})"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopPlan:
     """A loop the splitter built: its roots, the split axis' length and the forward's and the
     gradient loop's chunks, what sized them, and what else it does.
@@ -142,6 +161,7 @@ class LoopPlan:
         gradient loop; ``chunk`` is then the gradient's.
       written_into: the variables whose new values the loop writes, slice by slice, into their own
         buffers (a wide layer's update along its kernel's columns).
+      tiles: an attention's loop in 2-D tiles, its masked tiles skipped (:class:`Tiles`).
     """
 
     roots: tuple[RootSplit, ...]
@@ -160,6 +180,7 @@ class LoopPlan:
     dynamic: bool = False
     fused: bool = False
     written_into: tuple[str, ...] = ()
+    tiles: Tiles | None = None
 
     @property
     def steps(self) -> int:
@@ -204,6 +225,8 @@ class LoopPlan:
         if self.written_into:
             shown, s = ", ".join(f"`{name}`" for name in self.written_into), "s" if len(self.written_into) > 1 else ""
             text += f"; the new value{s} of {shown} written into the variable{s} slice by slice"
+        if self.tiles is not None:
+            text += f"; {self.tiles.render()}"
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"

@@ -206,7 +206,7 @@ def test_two_readers_reducing_the_same_axis_share_one_loop(monkeypatch):
     reductions are offered: slices of M, each result joined, would do as well here.)"""
     offered = analysis.root_options
     monkeypatch.setattr(analysis, "root_options",
-                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+                        lambda root, ignored=frozenset(): [o for o in offered(root, ignored) if o.kind != "concat"])
     x, y = points(4000, 3, tf.float64), points(3000, 3, tf.float64, seed=1)
     w = points(4000, 2, tf.float64, seed=2)
 
@@ -313,7 +313,7 @@ def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
     the row split is offered: slices of the columns, joined, would need no tie counts.)"""
     offered = analysis.root_options
     monkeypatch.setattr(analysis, "root_options",
-                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+                        lambda root, ignored=frozenset(): [o for o in offered(root, ignored) if o.kind != "concat"])
     x = tf.constant(np.round(np.random.default_rng(0).standard_normal((3000, 3)), 1))
     y = tf.constant(np.round(np.random.default_rng(1).standard_normal((2000, 3)), 1))
 
@@ -346,7 +346,7 @@ def test_nan_in_a_split_max_or_min_propagates_as_in_tensorflow(monkeypatch):
     columns, every other column equal to TensorFlow's."""
     offered = analysis.root_options
     monkeypatch.setattr(analysis, "root_options",
-                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+                        lambda root, ignored=frozenset(): [o for o in offered(root, ignored) if o.kind != "concat"])
     x, y = points(3000, 3, tf.float64), points(2000, 3, tf.float64, seed=1)
 
     def extremes(x, y):
@@ -383,7 +383,7 @@ def test_attention_split_along_the_keys_with_an_online_softmax(monkeypatch):
     the loop runs over slices of the keys with the running max and normaliser."""
     offered = analysis.root_options
     monkeypatch.setattr(analysis, "root_options",
-                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+                        lambda root, ignored=frozenset(): [o for o in offered(root, ignored) if o.kind != "concat"])
     q, k, v = (points(n, 32, tf.float64, seed=s) for n, s in ((64, 0), (20000, 1), (20000, 2)))
 
     def cross_attention(q, k, v):
@@ -410,7 +410,7 @@ def test_online_softmax_backward_with_masks(monkeypatch, mask):
     and a padding mask (keys past a length read as -inf), masked rows' gradients included."""
     offered = analysis.root_options
     monkeypatch.setattr(analysis, "root_options",
-                        lambda root: [o for o in offered(root) if o.kind != "concat"])
+                        lambda root, ignored=frozenset(): [o for o in offered(root, ignored) if o.kind != "concat"])
     n = 4000
     q, k, v = (points(n, 16, tf.float64, seed=s) for s in (3, 4, 5))
 
