@@ -690,7 +690,7 @@ class _Region:
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
             key = policy.rank(planned, options, held, self.budget, t, grown.region.written_into,
-                              mechanism.computed_share(options, grown.region, planned))
+                              mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
                 best = _Candidate(key, options, grown, planned, remat)
         return best

@@ -181,11 +181,17 @@ def untiled(options, region: Region, plan: ChunkPlan, backward_chunk: int,
     return plans[0], plans[1]
 
 
-def computed_share(options, region: Region, planned) -> float:
-    """The share of an attention's tiles its loop computes (1 where it is not tiled), for the
-    splitter's ranking (:func:`.policy.rank`): a causal mask's loop computes about half of them."""
+def computed_share(options, region: Region, planned, backward: frozenset = frozenset()) -> float:
+    """The share of its work a loop computes, for the splitter's ranking (:func:`.policy.rank`): an
+    attention in tiles the share of its tiles not skipped (about half under a causal mask); 2 for an
+    attention split along its keys, untiled, whose softmax the gradients inside the function read
+    (its gradient loop computes every score again, where a loop over the rows computing its gradients
+    as it goes computes each once); 1 otherwise."""
     tiled = tiles(options, region, planned.chunks, planned.backward_chunk) if planned.chunks.splits else None
-    return 1.0 if tiled is None else 1 - tiled[0].skipped / tiled[0].total
+    if tiled is not None:
+        return 1 - tiled[0].skipped / tiled[0].total
+    softmax = [o.absorbed[0] for o in options if o.kind == "online_softmax"]
+    return 2.0 if any(c in backward for op in softmax for c in op.outputs[0].consumers()) else 1.0
 
 
 def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False,

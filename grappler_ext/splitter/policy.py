@@ -231,7 +231,9 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
     and A err, 3 steps, left none), those writing variables in place (a wide layer's update along its
     kernel's columns), those computing a share of their work of at most ``Tuning.tiled_share``
     (``computed``: an attention in tiles, a causal mask's half skipped, before a loop over its rows
-    computing every score), the fewest steps, then the one freeing the most bytes the
+    computing every score) and those computing it more than once last (``computed`` over 1: an
+    untiled key split recomputing the scores for the gradients inside the function), the fewest steps,
+    then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
     is judged by the size of its joined result, then by what it leaves); a plan that does not split
     last."""
@@ -245,7 +247,7 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
     # (a loop writing variables in place holds none of their gradients whole, which a loop over the
     # batch's rows keeps, and the model's count of it misses: first among those within the limit)
     return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, not written_into,
-            computed > tuning.tiled_share, count, -held, chunks.predicted_bytes)
+            (computed > tuning.tiled_share) + (computed > 1), count, -held, chunks.predicted_bytes)
 
 
 def leaves(grown: Grown, beside: Beside) -> int:

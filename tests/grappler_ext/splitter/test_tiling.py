@@ -237,6 +237,25 @@ def test_attention_without_masked_tiles_is_not_tiled(keys_only, monkeypatch, mas
     assert_equal(got, expected)
 
 
+def test_a_reshape_carrying_the_query_rows_is_not_tiled(keys_only, monkeypatch):
+    """A reshape's slice along the keys is rebuilt for all the query rows: not tiled, and why."""
+    reasons = []
+    untiled = mechanism.untiled
+    monkeypatch.setattr(mechanism, "untiled", lambda *a, **k: reasons.append(untiled(*a, **k)) or reasons[-1])
+
+    def reshaped(q, k, v):
+        scores = tf.reshape(tf.matmul(q, k, transpose_b=True) / 4.0, [1, L, L])[0]   # carries both axes
+        scores = tf.where(range_causal(scores, L), scores, tf.constant(-1e9, scores.dtype))
+        return tf.nn.softmax(scores, axis=-1) @ v
+
+    q, k, v = (points(L, D, s) for s in range(3))
+    got, expected = split(reshaped, q, k, v)
+    [plan] = loops()
+    assert plan.tiles is None
+    assert any(isinstance(r, str) and "carries the query rows" in r for r in reasons), reasons
+    assert_equal(got, expected)
+
+
 def test_a_mask_of_only_minus_ten_is_not_masking(keys_only):
     """exp(s - 10 - m) is not 0: such tiles are not skipped (the loop is untiled, values unchanged)."""
     q, k, v = (points(L, D, s) for s in range(3))
