@@ -107,6 +107,12 @@ kernel sum), the chunk is taken up to ``Tuning.whole_program_margin`` of the lim
 compiling at that chunk, as a person sizing the loop by hand would; elsewhere the measured bytes a
 row keep a margin for what XLA packs around the loop.
 
+Attention in tiles: an attention split along its keys whose query rows pass through the region's
+ops unchanged runs over query blocks x key blocks, each block folding only the key blocks that hold
+an unmasked score (a causal mask's tiles above the diagonal are skipped, in the forward and in the
+FlashAttention-2 backward); :mod:`.masked_tiles` proves which tiles are masked, and the ranking
+prefers such a loop where it computes at most ``Tuning.tiled_share`` of its tiles.
+
 What it does not do (yet): dynamic shapes (the static tensors beside them are split when they
 alone are over the limit); plan all regions jointly (each plans against the program as it was,
 assuming the other large tensors will be split: :func:`.analysis.needed_now` checks the result after each
@@ -131,6 +137,9 @@ module              what it holds
 ``mechanism``       a plan built into a loop and installed in place of its roots
 ``loop``            the ``tf.while_loop`` over slices and its recomputing gradient
 ``combiners``       how partial results of slices fold into the outputs, exactly
+``tiling``          an attention's query x key tiles: where the query rows lie, tile sizes (pure)
+``masked_tiles``    which tiles of an attention's scores are proven masked (intervals, no mutation)
+``tiled_loop``      the loops over an attention's tiles, masked ones skipped, and their gradient
 ``slicing``         a slice along an axis, and slices joined back
 ``rules``           how a split axis passes through each op type (the rule table)
 ``chunk_plan``      the largest chunk under a budget (pure)
