@@ -45,7 +45,8 @@ from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
            "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "written_into",
-           "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed"]
+           "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed", "EinsumLayout",
+           "softmax_einsum"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
 
@@ -128,7 +129,49 @@ def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[R
             options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
                                       absorbed=(probs.op,)))
+    elif root.type == "Einsum" and len(root.inputs) == 2:
+        probs = root.inputs[0]
+        layout = softmax_einsum(root)
+        if (layout is not None and probs.op.type == "Softmax" and probs.dtype.is_floating
+                and all(c is root or c in ignored for c in probs.consumers()) and shapes.is_static(probs.op.inputs[0])):
+            v_axis = layout.values.index(layout.probs[-1])
+            options.append(RootOption(root, "online_softmax", (rank - 1, v_axis),
+                                      requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], v_axis)),
+                                      absorbed=(probs.op,)))
     return options
+
+
+@dataclasses.dataclass(frozen=True)
+class EinsumLayout:
+    """The labels of an ``Einsum`` computing softmax(S) V: the probabilities', the values' and the
+    output's (Keras' ``MultiHeadAttention``: ``BNTS,BSNH->BTNH``)."""
+
+    probs: str
+    values: str
+    output: str
+
+
+def softmax_einsum(root: tf.Operation) -> EinsumLayout | None:
+    """``root``'s labels if it contracts its first operand's last axis (the keys) with its second
+    operand and nothing else: every other label of the first operand in the output once, the keys in
+    neither the output nor twice; ``None`` otherwise (an ellipsis, a diagonal, a reduced label)."""
+    equation = root.get_attr("equation").decode() if isinstance(root.get_attr("equation"), bytes) \
+        else root.get_attr("equation")
+    inputs, _, output = equation.partition("->")
+    operands = inputs.split(",")
+    if "." in equation or len(operands) != 2:
+        return None
+    probs, values = operands
+    key = probs[-1:]
+    if any(len(set(labels)) != len(labels) for labels in (probs, values, output)):
+        return None                                      # a diagonal or a repeated output label
+    if not key or key not in values or key in output:
+        return None
+    if any(c not in output for c in probs[:-1]) or any(c not in output for c in values if c != key):
+        return None                                      # a label summed over besides the keys
+    if any(c not in probs and c not in values for c in output):
+        return None
+    return EinsumLayout(probs, values, output)
 
 
 @dataclasses.dataclass

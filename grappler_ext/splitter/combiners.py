@@ -414,6 +414,9 @@ class OnlineSoftmax(Combiner):
     name = "online_softmax"
     hidden_outputs = 2
 
+    def __init__(self, value_axes: tuple[int, ...] = (-1,)):
+        self.value_axes = value_axes        # the output's axes only the values carry (summed in dO . O)
+
     def init(self, partial_specs, steps):
         m_spec, l_spec, o_spec = partial_specs
         return [tf.fill(m_spec.shape, tf.constant(float("-inf"), m_spec.dtype)), tf.zeros(l_spec.shape, l_spec.dtype),
@@ -441,14 +444,34 @@ class OnlineSoftmax(Combiner):
         out, m, norm = outputs
         ms = partials[0]
         w = tf.exp(ms - m) / norm                                           # [.., q, 1]
-        return [None, -tf.reduce_sum(d_out * out, -1, keepdims=True) * w, d_out * w]
+        return [None, -tf.reduce_sum(d_out * out, list(self.value_axes), keepdims=True) * w, d_out * w]
 
 
-def softmax_partials(scores: tf.Tensor, values_product) -> list[tf.Tensor]:
-    """An ``OnlineSoftmax`` slice's partials: ``values_product(e)`` computes ``e @ V_s``."""
+def softmax_partials(scores: tf.Tensor, values_product, to_output=None) -> list[tf.Tensor]:
+    """An ``OnlineSoftmax`` slice's partials: ``values_product(e)`` computes ``e @ V_s``; ``to_output``
+    moves the row statistics ``[.., q, 1]`` into the output's layout (:func:`statistics_layout`)."""
+    to_output = to_output or (lambda t: t)
     m = tf.stop_gradient(tf.reduce_max(scores, -1, keepdims=True))       # [.., q, 1]
     e = tf.exp(scores - m)                                               # [.., q, c]
-    return [m, tf.reduce_sum(e, -1, keepdims=True), values_product(e)]
+    return [to_output(m), to_output(tf.reduce_sum(e, -1, keepdims=True)), values_product(e)]
+
+
+def statistics_layout(probs: str, output: str):
+    """``(to_output, value_axes)`` for softmax(S) V written as an ``Einsum`` with labels ``probs`` (the
+    keys last) and ``output``: ``to_output`` moves a row statistic ``[.., q, 1]`` of the scores into
+    the output's layout, with size 1 along the axes only the values carry (``value_axes``; Keras'
+    ``BNTS -> BTNH``: ``[B, N, T, 1] -> [B, T, N, 1]``)."""
+    kept = probs[:-1]
+    perm = [kept.index(c) for c in output if c in kept]
+    value_axes = tuple(i for i, c in enumerate(output) if c not in kept)
+
+    def to_output(t):
+        t = tf.transpose(tf.squeeze(t, -1), perm)
+        for axis in value_axes:
+            t = tf.expand_dims(t, axis)
+        return t
+
+    return to_output, value_axes
 
 
 class Arg(Combiner):

@@ -20,7 +20,7 @@ from grappler_ext import blocked_top_k, gradients, graph_edit, shapes, variable_
 from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
-from grappler_ext.splitter import combiners, rules, slicing, tiled_loop, tiling
+from grappler_ext.splitter import analysis, combiners, rules, slicing, tiled_loop, tiling
 from grappler_ext.splitter.analysis import const_axes
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, external_inputs, forward_program, fused_program
@@ -63,16 +63,21 @@ def _root_part(option, plan: ChunkPlan, region: Region):
     extremum = kind in ("max", "min") and root.outputs[0].dtype.is_floating
     if kind == "online_softmax":
         scores, values = option.requests[0][0], root_inputs[1]
+        layout = analysis.softmax_einsum(root) if root.type == "Einsum" else None
+        to_output, value_axes = (None, (-1,)) if layout is None else combiners.statistics_layout(layout.probs,
+                                                                                                 layout.output)
 
         def softmax_partial(lookup, chunk, offset, valid=None):
             v, s = lookup(values), lookup(scores)
             if valid is not None:      # keys past a run-time length weigh nothing
                 s = slicing.mask_rows(s, s.shape.rank - 1, valid, float("-inf"))
-            return combiners.softmax_partials(s, lambda e: rules.clone_op(root, [e, v])[0])
+            return combiners.softmax_partials(s, lambda e: rules.clone_op(root, [e, v])[0], to_output)
 
-        keep = scores.shape.as_list()[:-1] + [1]
+        keep = root.outputs[0].shape.as_list()
+        for axis in value_axes:
+            keep[axis] = 1
         specs = [tf.TensorSpec(keep, scores.dtype)] * 2 + [tf.TensorSpec(root.outputs[0].shape, scores.dtype)]
-        return softmax_partial, combiners.OnlineSoftmax(), specs, True
+        return softmax_partial, combiners.OnlineSoftmax(value_axes), specs, True
 
     def partial(lookup, chunk, offset, valid=None):
         ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
@@ -186,12 +191,15 @@ def computed_share(options, region: Region, planned, backward: frozenset = froze
     attention in tiles the share of its tiles not skipped (about half under a causal mask); 2 for an
     attention split along its keys, untiled, whose softmax the gradients inside the function read
     (its gradient loop computes every score again, where a loop over the rows computing its gradients
-    as it goes computes each once); 1 otherwise."""
+    as it goes computes each once), or written as an ``Einsum`` (Keras' attention: a loop over its
+    rows reaches on through the rest of the layer, one loop where a key split leaves several); 1
+    otherwise."""
     tiled = tiles(options, region, planned.chunks, planned.backward_chunk) if planned.chunks.splits else None
     if tiled is not None:
         return 1 - tiled[0].skipped / tiled[0].total
-    softmax = [o.absorbed[0] for o in options if o.kind == "online_softmax"]
-    return 2.0 if any(c in backward for op in softmax for c in op.outputs[0].consumers()) else 1.0
+    softmax = [o for o in options if o.kind == "online_softmax"]
+    recomputed = any(c in backward for o in softmax for c in o.absorbed[0].outputs[0].consumers())
+    return 2.0 if recomputed or any(o.root.type == "Einsum" for o in softmax) else 1.0
 
 
 def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False,

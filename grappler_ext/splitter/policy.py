@@ -225,15 +225,16 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
          computed: float = 1.0) -> tuple:
     """The key candidates are ordered by (the smallest is best).
 
-    Plans that meet the limit first; among them, those whose joined result is small (a region
+    Plans that meet the limit first; among them, those computing a share of their work of at most
+    ``Tuning.tiled_share`` (``computed``: an attention in tiles, a causal mask's half skipped, before
+    a loop over its rows computing every score), and those computing it more than once last
+    (``computed`` over 1: an untiled key split recomputing the scores for the gradients inside the
+    function, or one of Keras' attention, which a loop over its rows reaches on from); then those
+    whose joined result is small (a region
     reaching on to a reduction, rather than stopping at a large tensor it writes whole: SGPR's
     K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the region through A A^T
     and A err, 3 steps, left none), those writing variables in place (a wide layer's update along its
-    kernel's columns), those computing a share of their work of at most ``Tuning.tiled_share``
-    (``computed``: an attention in tiles, a causal mask's half skipped, before a loop over its rows
-    computing every score) and those computing it more than once last (``computed`` over 1: an
-    untiled key split recomputing the scores for the gradients inside the function), the fewest steps,
-    then the one freeing the most bytes the
+    kernel's columns), the fewest steps, then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
     is judged by the size of its joined result, then by what it leaves); a plan that does not split
     last."""
@@ -246,8 +247,8 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
         return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
     # (a loop writing variables in place holds none of their gradients whole, which a loop over the
     # batch's rows keeps, and the model's count of it misses: first among those within the limit)
-    return (not chunks.splits, False, joined > tuning.min_tensor_fraction * budget, not written_into,
-            (computed > tuning.tiled_share) + (computed > 1), count, -held, chunks.predicted_bytes)
+    return (not chunks.splits, False, (computed > tuning.tiled_share) + (computed > 1),
+            joined > tuning.min_tensor_fraction * budget, not written_into, count, -held, chunks.predicted_bytes)
 
 
 def leaves(grown: Grown, beside: Beside) -> int:

@@ -105,6 +105,9 @@ class _Block:
             key_axis = region.rebuild[op].__self__.output_axes[0]
             rebuild[op] = (lambda q, k: lambda op_, ins, chunk, offset: _tile_of(op_, ins, q, k, start, offset, size,
                                                                                   chunk))(query_axis, key_axis)
+        for op, prop in axes.composed.items():
+            rebuild[op] = (lambda p, key: lambda op_, ins, chunk, offset: p.build(
+                key(op_, ins, chunk, offset)[0].op, ins, size))(prop, region.rebuild[op])
         self.builder = _slice_builder(dataclasses.replace(region, rebuild=rebuild), external, op_inputs)
         n = len(external)
         self.whole = [_cut(v, axes.whole[k] if k < n else axes.derived.get(ref), start, size)
@@ -134,14 +137,19 @@ def _schedule_tensors(tiles: TilePlan):
             tf.constant([a for a, _ in tiles.spans], tf.int32), tf.constant([b for _, b in tiles.spans], tf.int32))
 
 
-def _row_specs(partial_specs, rows: int):
-    return [tf.TensorSpec(s.shape[:-2].concatenate([rows]).concatenate(s.shape[-1:]), s.dtype) for s in partial_specs]
+def _row_specs(partial_specs, rows: int, axis: int):
+    out = []
+    for s in partial_specs:
+        shape = s.shape.as_list()
+        shape[axis] = rows
+        out.append(tf.TensorSpec(shape, s.dtype))
+    return out
 
 
 def _forward(region, op_inputs, tiles: TilePlan, external, values, derived, combiner: Combiner, partial_specs):
     starts, _, firsts, stops = _schedule_tensors(tiles)
     qc, kc, nk = tiles.query_block, tiles.key_block, tiles.key_blocks
-    block_specs = _row_specs(partial_specs, qc)
+    block_specs = _row_specs(partial_specs, qc, tiles.rows_axis)
     inputs = list(values) + list(derived.values())
 
     def block(i, *outputs):
@@ -165,7 +173,7 @@ def _forward(region, op_inputs, tiles: TilePlan, external, values, derived, comb
         carry = tf.while_loop(lambda t, *c: t < rest, fold(lambda t: _tile_index(t + stop - first, first, stop)),
                               (tf.constant(0), *carry), maximum_iterations=nk)[1:]
         rows = combiner.finish(list(carry), None, 0)
-        return (i + 1, *[write_slice(o, r, o.shape.rank - 2, start) for o, r in zip(outputs, rows)])
+        return (i + 1, *[write_slice(o, r, tiles.rows_axis % o.shape.rank, start) for o, r in zip(outputs, rows)])
 
     m_spec, l_spec, o_spec = partial_specs                    # OnlineSoftmax's partials; it finishes [o / l, m, l]
     outputs0 = [tf.zeros(s.shape, s.dtype) for s in (o_spec, m_spec, l_spec)]
@@ -201,14 +209,14 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
     starts, owned, firsts, stops = _schedule_tensors(tiles)
     qc, kc, nk = tiles.query_block, tiles.key_block, tiles.key_blocks
     out, m, norm = outputs
-    rows_axis = out.shape.rank - 2
+    rows_axis = tiles.rows_axis % out.shape.rank
 
     def block(i, *carry):
         start = starts[i]
         cut = _Block(region, tiles, external, inputs, derived, start, op_inputs)
         mine = start + tf.range(qc) >= owned[i]            # rows no earlier block took
         up = mask_rows(dynamic_slice(d_out, rows_axis, start, qc), rows_axis, mine, 0)
-        outs = [dynamic_slice(x, x.shape.rank - 2, start, qc) for x in (out, m, norm)]
+        outs = [dynamic_slice(x, rows_axis, start, qc) for x in (out, m, norm)]
         first, stop = firsts[i], stops[i]
         dead = tf.reduce_any(outs[1] <= tiles.dead_below)
         count = (stop - first) + tf.where(dead, nk - (stop - first), 0)
@@ -294,7 +302,7 @@ def check(region: Region, tiles: TilePlan, combiner: Combiner, partial_specs) ->
             cut = _Block(region, tiles, external, values + list(derived.values()), derived, tiles.starts[-1],
                          region_inputs(region))
             partials, _ = cut.build(cut.whole, cut.sources, 0, tiles.key_block)
-            want = _row_specs(partial_specs, tiles.query_block)
+            want = _row_specs(partial_specs, tiles.query_block, tiles.rows_axis)
             if [p.shape.as_list() for p in partials] != [s.shape.as_list() for s in want]:
                 return (f"a tile's partials are {[p.shape.as_list() for p in partials]}, not "
                         f"{[s.shape.as_list() for s in want]}")

@@ -11,8 +11,9 @@ tiles on and below the diagonal, about half of them.  This module decides whethe
 tiled, and how (:class:`TilePlan`); :mod:`.tiled_loop` builds the loops.
 
 When a region can be tiled (:func:`query_axes`): every op of the region that carries the query rows
-passes them on unchanged, op by op (elementwise ops, casts, selects, matrix products, axis moves:
-:data:`_QUERY_SAFE`), its slice along the keys does not depend on where the slice starts, and no
+passes them on, op by op (elementwise ops, casts, selects, matrix products, axis moves:
+:data:`_QUERY_SAFE`; others by their split rules, a key slice's rebuild rebuilt again for the query
+block), its slice along the keys does not depend on where the slice starts, and no
 random draw, reshape factor, run-time length or in-place write is involved.  A band of a matrix
 (``tf.linalg.band_part``, a causal mask built in the region) and a fill or broadcast to a shape are
 rebuilt from both offsets and sizes.  Each tensor the region
@@ -43,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from grappler_ext.op_types import BROADCASTING_ELEMENTWISE, MATMULS, UNARY_ELEMENTWISE
-from grappler_ext.splitter import rules
+from grappler_ext.splitter import analysis, rules
 from grappler_ext.splitter.masked_tiles import MaskedTiles, masked_tiles
 from grappler_ext.splitter.outcome import Tiles
 
@@ -66,13 +67,16 @@ class QueryAxes:
     whole, ``sliced[k]`` in its slices along the keys (``None``: not there); ``derived`` the same for
     the prologue's outputs (``{ref: axis}``), ``constants`` for small constants the region inlines;
     ``at_offsets``: the region's ops whose tile depends on where its rows and keys start (a band of a
-    matrix), with their output's query axis."""
+    matrix), with their output's query axis; ``composed``: ops whose slices are rebuilt with other
+    attributes (a strided slice's masks, a reshape's shape), with their query rows' propagation: a
+    tile is the key slice's rebuild, rebuilt again for the block's rows."""
 
     whole: tuple
     sliced: tuple
     derived: dict
     constants: dict
     at_offsets: dict = dataclasses.field(default_factory=dict)
+    composed: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +92,8 @@ class TilePlan:
         its block's tiles are computed).
       skipped: tiles skipped, of ``total``.
       axes: the query axes (:class:`QueryAxes`).
+      rows_axis: the query rows' axis in the outputs ``[o / l, m, l]`` (the output's layout:
+        ``BTNH`` for Keras' attention, an ``Einsum``).
     """
 
     query_block: int
@@ -99,6 +105,7 @@ class TilePlan:
     skipped: int
     total: int
     axes: QueryAxes
+    rows_axis: int = -2
 
     @property
     def key_blocks(self) -> int:
@@ -123,6 +130,7 @@ def query_axes(region, option, external: Sequence[tf.Tensor]) -> QueryAxes | str
     scores = option.requests[0][0]
     along: dict = {scores.ref(): scores.shape.rank - 2, option.root.inputs[1].ref(): None}  # tensor -> query axis
     at_offsets: dict = {}
+    composed: dict = {}
     reads: dict = {}                                             # (tensor ref, sliced?) -> query axes
     region_ops = set(region.ops)
 
@@ -139,14 +147,16 @@ def query_axes(region, option, external: Sequence[tf.Tensor]) -> QueryAxes | str
         else:
             k, axis = next(iter(wanted.items()))
             banded = op.type in _AT_BOTH_OFFSETS
-            if not banded and (op.type not in _QUERY_SAFE or _carries_key_offset(region, op)):
-                return f"`{op.type}` ({op.name}) carries the query rows"
+            if not banded and _carries_key_offset(region, op):
+                return f"`{op.type}` ({op.name}) carries the query rows, and its slice depends on where it starts"
             prop = rules.propagate(op, k, axis)
             if not prop or (prop.rebuild_at is not None and not banded) or any(
                     f is not None for f in prop.input_factors or ()):
                 return f"`{op.type}` ({op.name}) does not pass the query rows on"
             if banded:
                 at_offsets[op] = axis
+            elif op.type not in _QUERY_SAFE and prop.rebuild is not None:
+                composed[op] = prop      # its key slice's rebuild, then the query block's on that
             if any(prop.output_axes[i] != a for i, a in wanted.items()):
                 return f"`{op.type}` ({op.name}) has its outputs' query rows along other axes"
             axes_in = prop.input_axes
@@ -173,7 +183,7 @@ def query_axes(region, option, external: Sequence[tf.Tensor]) -> QueryAxes | str
         return "an inlined constant is read along the keys"
     if all(a is None for a in whole + sliced) and not any(a is not None for a in derived.values()):
         return "no input carries the query rows"
-    return QueryAxes(whole, sliced, derived, constants, at_offsets)
+    return QueryAxes(whole, sliced, derived, constants, at_offsets, composed)
 
 
 def tile_sizes(queries: int, keys: int, elements: int) -> tuple[int, int] | None:
@@ -226,4 +236,8 @@ def plan(region, option, external: Sequence[tf.Tensor], elements: int,
     skipped = total - sum(b - a for a, b in spans)
     if skipped < MIN_SKIPPED * total:
         return f"only {skipped} of {total} tiles are masked"
-    return TilePlan(query_block, key_block, starts, owned, tuple(spans), proven.bound / 2, skipped, total, axes)
+    out = option.root.outputs[0].shape.rank
+    layout = analysis.softmax_einsum(option.root) if option.root.type == "Einsum" else None
+    rows_axis = out - 2 if layout is None else layout.output.index(layout.probs[-2])
+    return TilePlan(query_block, key_block, starts, owned, tuple(spans), proven.bound / 2, skipped, total, axes,
+                    rows_axis)

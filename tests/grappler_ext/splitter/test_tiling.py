@@ -238,7 +238,8 @@ def test_attention_without_masked_tiles_is_not_tiled(keys_only, monkeypatch, mas
 
 
 def test_a_reshape_carrying_the_query_rows_is_not_tiled(keys_only, monkeypatch):
-    """A reshape's slice along the keys is rebuilt for all the query rows: not tiled, and why."""
+    """A reshape's slice along the keys is rebuilt for all the query rows: building a tile in a
+    scratch graph fails before anything is changed, so the loop is left untiled, and says why."""
     reasons = []
     untiled = mechanism.untiled
     monkeypatch.setattr(mechanism, "untiled", lambda *a, **k: reasons.append(untiled(*a, **k)) or reasons[-1])
@@ -252,7 +253,7 @@ def test_a_reshape_carrying_the_query_rows_is_not_tiled(keys_only, monkeypatch):
     got, expected = split(reshaped, q, k, v)
     [plan] = loops()
     assert plan.tiles is None
-    assert any(isinstance(r, str) and "carries the query rows" in r for r in reasons), reasons
+    assert any(isinstance(r, str) and "building a tile failed" in r for r in reasons), reasons
     assert_equal(got, expected)
 
 
@@ -263,3 +264,51 @@ def test_a_mask_of_only_minus_ten_is_not_masking(keys_only):
     [plan] = loops()
     assert plan.tiles is None
     assert_equal(got, expected)
+
+
+def test_keras_multi_head_attention_with_a_causal_mask_is_tiled():
+    """Keras 3's ``MultiHeadAttention(use_causal_mask=True)`` (its output an ``Einsum``, BNTS,BSNH->BTNH,
+    whose row statistics the online softmax keeps in the output's layout), the tape inside: split
+    along the keys in tiles (its causal mask a band part sliced to [1, 1, T, S], rebuilt per tile),
+    the output and every gradient equal to the layer's own in float64."""
+    import keras
+
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=16, dtype="float64")
+    x = points(2 * 1024, 32, 0)
+    x = tf.reshape(x, [2, 1024, 32])
+    layer(x, x, use_causal_mask=True)
+
+    def step(q):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            out = layer(q, q, use_causal_mask=True)
+            loss = tf.reduce_sum(tf.sin(out))
+        return out, tape.gradient(loss, [q] + layer.trainable_variables)
+
+    expected = tf.function(step, jit_compile=True)(x)
+    tf_memsafe.enable(40 * 10**6, strict=True)
+    with splitter_only():
+        got = tf.function(step, jit_compile=True)(x)
+    [plan] = loops()
+    assert plan.roots[0].op_type == "Einsum" and plan.tiles is not None, plan.render()
+    assert plan.tiles.skipped == 28 * plan.tiles.total // 64
+    assert_equal((got[0], got[1]), (expected[0], expected[1]))
+
+
+@pytest.mark.parametrize("equation, shapes_, accepted", [
+    ("BNTS,BSNH->BTNH", ([2, 3, 4, 5], [2, 5, 3, 6]), True),     # Keras' MultiHeadAttention
+    ("ij,jk->ik", ([4, 5], [5, 6]), True),
+    ("ij,kj->ik", ([4, 5], [6, 5]), True),                       # the values transposed
+    ("bij,bjk->bk", ([2, 4, 5], [2, 5, 6]), False),              # the queries summed over too
+    ("ij,jk->ijk", ([4, 5], [5, 6]), False),                     # the keys kept
+    ("ji,jk->ik", ([5, 4], [5, 6]), False),                      # the keys not the last axis
+])
+def test_which_einsums_are_softmax_times_values(equation, shapes_, accepted):
+    from grappler_ext.splitter.analysis import softmax_einsum
+
+    with tf.Graph().as_default():
+        a, b = (tf.compat.v1.placeholder(tf.float32, s) for s in shapes_)
+        root = tf.einsum(equation, a, b).op
+        while root.type != "Einsum":                             # (tf.einsum may add a transpose)
+            root = root.inputs[0].op
+        assert (softmax_einsum(root) is not None) == accepted
