@@ -174,16 +174,17 @@ def untiled(options, region: Region, plan: ChunkPlan, backward_chunk: int,
         return "not one attention split along its keys"
     queries = options[0].requests[0][0].shape[-2]
     combiner, specs, _, _ = combined(options, region, plan)
-    plans = []
+    plans = {}
     # A tile's gradient holds about twice the forward's tensors a score (the probabilities and their
     # gradient, recomputed), not the untiled gradient's slice of every query row: half the forward's tile.
-    for chunk in (plan.chunk, min(plan.chunk, max(backward_chunk, plan.chunk // 2))):
+    chunks = (plan.chunk, min(plan.chunk, max(backward_chunk, plan.chunk // 2)))
+    for chunk in dict.fromkeys(chunks):            # planned and checked once where the two are equal
         tiled = tiling.plan(region, options[0], external_inputs(region), queries * chunk)
         why = tiled if isinstance(tiled, str) else tiled_loop.check(region, tiled, combiner, specs)
         if why is not None:
             return why
-        plans.append(tiled)
-    return plans[0], plans[1]
+        plans[chunk] = tiled
+    return plans[chunks[0]], plans[chunks[1]]
 
 
 def computed_share(options, region: Region, planned, backward: frozenset = frozenset()) -> float:
