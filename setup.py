@@ -19,7 +19,7 @@ EXTRAS = {
     "lint": ["ruff>=0.6"],
 }
 EXTRAS["test"] = sorted(
-    {"pytest>=8", "hypothesis>=6.100"}
+    {"pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6.100"}
     | set(EXTRAS["gpflow"])
     | set(EXTRAS["datasets"])
     | set(EXTRAS["experiments"])

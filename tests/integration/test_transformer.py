@@ -11,10 +11,7 @@ The training step (Adam, tape inside) is split too, under a limit that leaves ro
 activations every layer keeps for its backward.
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -206,24 +203,9 @@ def fit_transformer(batch) -> tuple[list[float], int]:
     return history.history["loss"], max(steps)
 
 
-_ALONE = "TF_MEMSAFE_TEST_IN_ITS_OWN_PROCESS"
-
-
 def test_keras_fit_with_jit_compile_trains_the_same_within_the_limit(batch):
     """Keras compiles the training step itself (``jit_compile=True`` in ``compile``): tf_memsafe,
-    only enabled, splits its attentions the same way, with the same losses, within the limit.
-
-    Run in a process of its own: late in the whole suite's process, XLA:CPU crashed (SIGSEGV, in
-    ``get_compiler_ir``) compiling this step as split, 3 runs of 3, with the same plan that compiles
-    in a fresh process and after the splitter's and integration tests alone (under investigation:
-    issue notes of 2026-11-26)."""
-    if os.environ.get(_ALONE) != "1":
-        test = f"{__file__}::test_keras_fit_with_jit_compile_trains_the_same_within_the_limit"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                              env={**os.environ, _ALONE: "1"}, capture_output=True, text=True, timeout=1200,
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-4000:]
-        return
+    only enabled, splits its attentions the same way, with the same losses, within the limit."""
     naive_losses, naive_bytes = fit_transformer(batch)
     tf_memsafe.enable(TRAIN_LIMIT)
     losses, step_bytes = fit_transformer(batch)
