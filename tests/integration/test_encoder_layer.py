@@ -28,7 +28,7 @@ import tensorflow as tf
 import tf_memsafe
 from grappler_ext.splitter.outcome import Code
 from tests.integration.keras_fit import fit_under, keras_of
-from tf_memsafe import hook
+from tf_memsafe import hook, xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -125,21 +125,33 @@ def test_a_step_with_dropout_fits_the_limit_of_the_step_without(version):
     assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
 
 
-def _fit(keras, limit: int | None):
+def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = False):
     """Two epochs of ``fit(jit_compile=True)`` (Adam, sparse cross-entropy per position, accuracy) on
-    8 sequences of such a model in batches of 4; the losses, the splitter's records and warnings."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input([L, D])
-    x = keras.layers.LayerNormalization()(inputs + keras.layers.MultiHeadAttention(HEADS, D // HEADS)(inputs, inputs))
-    x = keras.layers.LayerNormalization()(
-        x + keras.layers.Dense(D)(keras.layers.Dense(4 * D, activation="relu")(x)))
-    model = keras.Model(inputs, keras.layers.Dense(10)(x))
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True, metrics=["accuracy"],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    8 sequences of such a model in batches of 4, under Keras' dtype ``policy``; the losses, the
+    splitter's records and warnings (and, ``measured``, XLA's largest figure among the programs compiled)."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input([L, D])
+        # (``Add`` layers: under mixed_float16 they cast the float32 inputs to the layers' float16)
+        x = keras.layers.LayerNormalization()(keras.layers.Add()(
+            [inputs, keras.layers.MultiHeadAttention(HEADS, D // HEADS)(inputs, inputs)]))
+        x = keras.layers.LayerNormalization()(keras.layers.Add()(
+            [x, keras.layers.Dense(D)(keras.layers.Dense(4 * D, activation="relu")(x))]))
+        # the logits in float32 for the loss, as Keras' mixed precision guide writes them
+        model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(keras.layers.Dense(10)(x)))
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True, metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensor_slices((rng.standard_normal((8, L, D)).astype(np.float32),
                                                rng.integers(0, 10, (8, L)))).batch(B, drop_remainder=True)
-    return fit_under(model, data, limit, epochs=2)
+    if not measured:
+        return fit_under(model, data, limit, epochs=2)
+    with xla_flags.dump_all_compiles() as folder:
+        fitted = fit_under(model, data, limit, epochs=2)
+        return (*fitted, max(total for _, total in xla_flags.memory_reports(folder)))
 
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
@@ -152,3 +164,18 @@ def test_fit_trains_an_attention_model_within_the_limit(version):
     assert not said, said
     assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+def test_fit_in_mixed_precision_within_the_limit(version):
+    """Keras' ``mixed_float16`` policy (float16 activations, float32 weights and logits, the optimizer a
+    ``LossScaleOptimizer`` whose dynamic scale is a variable updated under a ``tf.cond``): the step,
+    about 50 MB as written, split along the sequence within 8 MB by XLA's figure, nothing said, losses
+    equal to the unsplit fit's to float16's rounding."""
+    keras = keras_of(version)
+    want, _, _, naive = _fit(keras, None, policy="mixed_float16", measured=True)
+    got, records, said, after = _fit(keras, 8 * 10**6, policy="mixed_float16", measured=True)
+    assert not said, said
+    assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
+    assert after <= 8 * 10**6 < naive // 5, (after, naive)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
