@@ -405,6 +405,8 @@ _register("Const", Rule(Kind.CONSTANT))
 # No runtime data.
 _register("NoOp", Rule(Kind.STATIC))
 _register("Shape Size Rank", Rule(Kind.STATIC, static_inputs=(0,)))
+# ShapeN (a convolution's gradient asks its operands' shapes): every operand read at compile time.
+_register("ShapeN", Rule(Kind.STATIC, static_inputs=tuple(range(16))))
 _register("BroadcastGradientArgs", Rule(Kind.STATIC, static_inputs=(0, 1)))
 
 # Shape-only ops: XLA lowers them to bitcasts (0 bytes); measured ``x[:, None]`` costs nothing.
@@ -419,7 +421,7 @@ _register("Neg Abs Sign Floor Ceil Round Rint Sin Cos Square Cast LogicalNot Rel
           "IsNan IsInf IsFinite "
           "Add AddV2 Sub Mul Maximum Minimum SquaredDifference BiasAdd AddN "
           "Equal NotEqual Less LessEqual Greater GreaterEqual LogicalAnd LogicalOr "
-          "Select SelectV2 ClipByValue "
+          "Select SelectV2 ClipByValue BitwiseAnd BitwiseOr BitwiseXor LeftShift RightShift Invert "
           "ReluGrad Relu6Grad LeakyReluGrad TanhGrad SigmoidGrad RsqrtGrad", _ELEMENTWISE)
 # Elementwise, expensive: materialised once when two fusions read them (measured: Exp, Tanh, Sqrt,
 # Rsqrt, Log, Erf, Sigmoid, Softplus, RealDiv by a tensor, Pow to a tensor power; the rest by
@@ -513,6 +515,17 @@ _register("BatchMatMul BatchMatMulV2 BatchMatMulV3 Einsum", Rule(Kind.LIBRARY))
 _register("Cholesky", Rule(Kind.LIBRARY, scratch=_cholesky_scratch))
 _register("MatrixTriangularSolve", Rule(Kind.LIBRARY, scratch=_triangular_solve_scratch))
 _register("MatrixInverse", Rule(Kind.LIBRARY, scratch=_inverse_scratch))
+# Convolutions and their gradients are kernel calls (XLA:CPU's Eigen/oneDNN convolution): operands
+# in memory, output materialised; their shape operands are read at compile time.  Pooling is XLA's
+# reduce-window (its gradient a select-and-scatter), each input element read by several windows:
+# counted as a call too (operand and output in memory), an upper bound where XLA fuses a cheap producer.
+_register("Conv2D Conv3D DepthwiseConv2dNative", Rule(Kind.LIBRARY))
+_register("Conv2DBackpropInput Conv3DBackpropInputV2 DepthwiseConv2dNativeBackpropInput",
+          Rule(Kind.LIBRARY, static_inputs=(0,)))
+_register("Conv2DBackpropFilter Conv3DBackpropFilterV2 DepthwiseConv2dNativeBackpropFilter",
+          Rule(Kind.LIBRARY, static_inputs=(1,)))
+_register("MaxPool AvgPool MaxPool3D AvgPool3D MaxPoolGrad MaxPool3DGrad", Rule(Kind.LIBRARY))
+_register("AvgPoolGrad AvgPool3DGrad", Rule(Kind.LIBRARY, static_inputs=(0,)))
 # top-k is a kernel call: measured [1000, 1000] f32, k = 10 costs input + 2 x 40 kB, no scratch.
 _register("TopKV2", Rule(Kind.LIBRARY, static_inputs=(1,)))
 # Softmax is max, exp(x - max), sum, divide: the operand is read twice (so in memory), the result

@@ -740,6 +740,144 @@ def _per_channel(op: tf.Operation, channel: int, main_inputs: int, main_outputs:
     return Propagation(input_axes, output_axes)
 
 
+# --- convolutions and pooling ------------------------------------------------------------------
+#
+# A window slides over the spatial axes only, so a slice of the batch (axis 0 in every data format)
+# is the op on the batch's slice, the filter whole.  A convolution's output channel c reads only the
+# filter's column c: a slice of the output channels is the op on the filter's slice, the input whole
+# (not for depthwise convolutions, whose outputs are input channel x multiplier).  Pooling is per
+# channel: a slice of the channels is the op on the input's slice (the window must not span channels).
+# A spatial axis is refused: each output row reads a window of input rows, overlapping its neighbours'.
+_CONVOLUTIONS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative")
+_POOLS = ("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D")
+
+
+def _image_axes(op: tf.Operation, rank: int) -> tuple[int, int] | Refusal:
+    """``(batch axis, channel axis)`` of a convolution's or pool's input and output by its data format."""
+    fmt = op.get_attr("data_format")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    if fmt in ("NHWC", "NDHWC", "NWC"):
+        return 0, rank - 1
+    if fmt in ("NCHW", "NCDHW", "NCW"):
+        return 0, 1
+    return Refusal(f"`{op.type}` ({op.name}) has data format {fmt!r}: no rule")
+
+
+def _spatial(op: tf.Operation, axis: int) -> Refusal:
+    return Refusal(f"`{op.type}` ({op.name}) slides a window along axis {axis}, the split axis: each output "
+                   "row reads overlapping input rows")
+
+
+def _window_spans_channels(op: tf.Operation, channel: int) -> bool:
+    return any(int(op.get_attr(name)[channel]) != 1 for name in ("ksize", "strides"))
+
+
+# conv(x, W)[s:s+c] = conv(x[s:s+c], W);   conv(x, W)[.., s:s+c] = conv(x, W[.., s:s+c])  (channels last
+# in the output and in the filter [.., in, out])
+@rule(*_CONVOLUTIONS)
+def _convolution(op, output_index, axis):
+    axes = _image_axes(op, op.outputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    batch, channel = axes
+    if axis == batch:
+        return Propagation((batch, None), (axis,))
+    if axis == channel:
+        if op.type == "DepthwiseConv2dNative":
+            return _depthwise(op, axis)
+        return Propagation((None, op.inputs[1].shape.rank - 1), (axis,))
+    return _spatial(op, axis)
+
+
+def _depthwise(op: tf.Operation, axis: int) -> Refusal:
+    return Refusal(f"`{op.type}` ({op.name}) interleaves input channels and their multipliers along axis {axis}, "
+                   "the split axis")
+
+
+# pool(x)[s:s+c] = pool(x[s:s+c])   along the batch, and along the channels when the window is one channel wide
+@rule(*_POOLS)
+def _pool(op, output_index, axis):
+    axes = _image_axes(op, op.outputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    batch, channel = axes
+    if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
+        return Propagation((axis,), (axis,))
+    return _spatial(op, axis)
+
+
+# max_pool_grad(x, y, dy)[s:s+c] = max_pool_grad(x[s:s+c], y[s:s+c], dy[s:s+c])   (the channels alike)
+@rule("MaxPoolGrad", "MaxPool3DGrad")
+def _max_pool_grad(op, output_index, axis):
+    axes = _image_axes(op, op.outputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    batch, channel = axes
+    if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
+        return Propagation((axis, axis, axis), (axis,))
+    return _spatial(op, axis)
+
+
+# The gradients with a shape operand (the input's, the filter's) are rebuilt with the chunk in it:
+# conv_backprop_input(S, W, dy)[s:s+c] = conv_backprop_input(S with c at 0, W, dy[s:s+c]), and along the
+# input channels the filter's input-channel axis [.., in, out] is sliced;
+# conv_backprop_filter(x, S, dy)[.., s:s+c] = conv_backprop_filter(x, S with c last, dy[.., s:s+c]) (output
+# channels; the batch is summed over: refused); avg_pool_grad(S, dy)[s:s+c] = avg_pool_grad(S with c, dy[s:s+c]).
+def _with_sized(op: tf.Operation, sizes_index: int, axis: int, input_axes: tuple) -> Propagation | Refusal:
+    sizes = _const(op.inputs[sizes_index])
+    if sizes is None:
+        return _not_constant(op, "the shape operand")
+    dims = [int(d) for d in np.asarray(sizes).reshape(-1)]
+
+    def rebuild(op, inputs, chunk):
+        inputs = list(inputs)
+        inputs[sizes_index] = tf.constant(_with_chunk(dims, axis, chunk), dtype=op.inputs[sizes_index].dtype)
+        return clone_op(op, inputs)
+
+    return Propagation(input_axes, (axis,), rebuild)
+
+
+@rule("Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropInput")
+def _conv_backprop_input(op, output_index, axis):
+    axes = _image_axes(op, op.outputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    batch, channel = axes
+    if axis == batch:
+        return _with_sized(op, 0, axis, (None, None, batch))
+    if axis == channel:
+        if op.type == "DepthwiseConv2dNativeBackpropInput":
+            return _depthwise(op, axis)
+        return _with_sized(op, 0, axis, (None, op.inputs[1].shape.rank - 2, None))
+    return _spatial(op, axis)
+
+
+@rule("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
+def _conv_backprop_filter(op, output_index, axis):
+    axes = _image_axes(op, op.inputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    _, channel = axes
+    rank = op.outputs[0].shape.rank
+    if axis == rank - 1:
+        return _with_sized(op, 1, axis, (None, None, channel))
+    if axis == rank - 2:
+        return _with_sized(op, 1, axis, (channel, None, None))
+    return Refusal(f"`{op.type}` ({op.name}) sums over the batch and the window: its filter's axis {axis} "
+                   "cannot be split")
+
+
+@rule("AvgPoolGrad", "AvgPool3DGrad")
+def _avg_pool_grad(op, output_index, axis):
+    axes = _image_axes(op, op.outputs[0].shape.rank)
+    if isinstance(axes, Refusal):
+        return axes
+    batch, channel = axes
+    if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
+        return _with_sized(op, 0, axis, (None, axis))
+    return _spatial(op, axis)
+
+
 # xent(logits, labels)[i][s:s+c] = xent(logits[s:s+c], labels[s:s+c])[i]    the loss [B] and its
 # backprop [B, C] alike, along the batch only: the classes are normalised over.
 @rule("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits")

@@ -413,9 +413,56 @@ case("OneHot", lambda i: tf.one_hot(i, 5, axis=0, dtype=I32), [_data([3, 4], I32
      refused={0: "depth axis of `OneHot`"}, id="OneHot-axis0")
 case("ReverseV2", lambda x: tf.reverse(x, [1]), _x3, refused={1: "reverses axis 1"})
 
+# Convolutions and pooling: the batch and the channels split, the spatial axes (windows) refused.
+_img, _vol = _data([3, 6, 6, 4], F64, low=-0.9), _data([2, 5, 5, 5, 3], F32, low=-0.9)
+_WINDOW = "slides a window"
+_2D, _3D = {1: _WINDOW, 2: _WINDOW}, {1: _WINDOW, 2: _WINDOW, 3: _WINDOW}
+_P2, _P3 = {"ksize": [1, 2, 2, 1], "strides": [1, 2, 2, 1], "padding": "VALID"}, \
+    {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALID"}
+case("Conv2D", lambda x, w: tf.nn.conv2d(x, w, 1, "VALID"), [_img, _data([3, 3, 4, 5], F64, 1, low=-0.9)],
+     refused=_2D)
+case("Conv2D", lambda x, w: tf.nn.conv2d(x, w, 2, "SAME"), [_img, _data([3, 3, 4, 5], F64, 1)], refused=_2D,
+     id="Conv2D-strided-same")
+case("Conv3D", lambda x, w: tf.nn.conv3d(x, w, [1] * 5, "VALID"), [_vol, _data([2, 2, 2, 3, 4], F32, 1)],
+     refused=_3D)
+case("DepthwiseConv2dNative", lambda x, w: tf.nn.depthwise_conv2d(x, w, [1] * 4, "VALID"),
+     [_img, _data([3, 3, 4, 2], F64, 1)], refused={**_2D, 3: "interleaves input channels"})
+case("MaxPool", lambda x: tf.nn.max_pool2d(x, 2, 2, "VALID"), [_img], refused=_2D)
+case("AvgPool", lambda x: tf.nn.avg_pool2d(x, 3, 1, "SAME"), [_img], refused=_2D)
+case("MaxPool3D", lambda x: tf.nn.max_pool3d(x, 2, 2, "VALID"), [_vol], refused=_3D)
+case("AvgPool3D", lambda x: tf.nn.avg_pool3d(x, 2, 1, "SAME"), [_vol], refused=_3D)
+case("MaxPoolGrad", lambda x, dy: _raw("MaxPoolGrad", x, tf.nn.max_pool2d(x, 2, 2, "VALID"), dy, **_P2),
+     [_img, _data([3, 3, 3, 4], F64, 1)], refused=_2D)
+case("MaxPool3DGrad", lambda x, dy: _raw("MaxPool3DGrad", x, tf.nn.max_pool3d(x, 2, 2, "VALID"), dy, **_P3),
+     [_vol, _data([2, 2, 2, 2, 3], F32, 1)], refused=_3D)
+case("AvgPoolGrad", lambda dy: _raw("AvgPoolGrad", [3, 6, 6, 4], dy, **_P2), [_data([3, 3, 3, 4], F64, 1)],
+     refused=_2D)
+case("AvgPool3DGrad", lambda dy: _raw("AvgPool3DGrad", [2, 5, 5, 5, 3], dy, **_P3), [_data([2, 2, 2, 2, 3], F32, 1)],
+     refused=_3D)
+case("Conv2DBackpropInput", lambda w, dy: _raw("Conv2DBackpropInput", [3, 6, 6, 4], w, dy, strides=[1] * 4,
+                                               padding="VALID"),
+     [_data([3, 3, 4, 5], F64, 1), _data([3, 4, 4, 5], F64, 2)], refused=_2D)
+case("Conv3DBackpropInputV2", lambda w, dy: _raw("Conv3DBackpropInputV2", [2, 5, 5, 5, 3], w, dy, strides=[1] * 5,
+                                                 padding="VALID"),
+     [_data([2, 2, 2, 3, 4], F32, 1), _data([2, 4, 4, 4, 4], F32, 2)], refused=_3D)
+case("DepthwiseConv2dNativeBackpropInput",
+     lambda w, dy: _raw("DepthwiseConv2dNativeBackpropInput", [3, 6, 6, 4], w, dy, strides=[1] * 4, padding="VALID"),
+     [_data([3, 3, 4, 2], F64, 1), _data([3, 4, 4, 8], F64, 2)], refused={**_2D, 3: "interleaves input channels"})
+case("Conv2DBackpropFilter", lambda x, dy: _raw("Conv2DBackpropFilter", x, [3, 3, 4, 5], dy, strides=[1] * 4,
+                                                padding="VALID"),
+     [_img, _data([3, 4, 4, 5], F64, 2)], refused={0: "sums over the batch", 1: "sums over the batch"})
+case("Conv3DBackpropFilterV2", lambda x, dy: _raw("Conv3DBackpropFilterV2", x, [2, 2, 2, 3, 4], dy, strides=[1] * 5,
+                                                  padding="VALID"),
+     [_vol, _data([2, 4, 4, 4, 4], F32, 2)], refused={a: "sums over the batch" for a in (0, 1, 2)})
+
 # Contractions on a smaller operand may be blocked differently by the kernel.
 CONTRACTION_RTOL = {"MatMul": _MM, "BatchMatMulV2": _MM, "BatchMatMulV3": _MM, "BatchMatMul": 1e-12, "Einsum": _MM,
-                    "MatrixTriangularSolve": 1e-12, "MatrixSolve": 1e-12, "Cholesky": 1e-12, "MatrixInverse": 1e-12}
+                    "MatrixTriangularSolve": 1e-12, "MatrixSolve": 1e-12, "Cholesky": 1e-12, "MatrixInverse": 1e-12,
+                    # convolutions in float64 (the 3-D ones in float32: TensorFlow's CPU kernels)
+                    **dict.fromkeys(["Conv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+                                     "DepthwiseConv2dNativeBackpropInput", "Conv2DBackpropFilter"], 1e-12),
+                    **dict.fromkeys(["Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "AvgPool3D",
+                                     "AvgPool3DGrad"], 1e-5)}
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
