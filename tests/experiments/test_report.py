@@ -196,12 +196,14 @@ def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, mon
 
 
 def test_quick_run_of_one_experiment(tmp_path):
-    assert report.main(["--quick", "--only", "overhead", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "overhead.json").exists()
+    """The wide layer's quick run (seconds; the overhead's own test runs that one's quick run)."""
+    assert report.main(["--quick", "--only", "wide_layer", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "wide_layer.json").exists()
     text = (tmp_path / "SUMMARY.md").read_text()
-    assert "| [Overhead](#overhead) | `overhead.json` | quick |" in text and "![Overhead](overhead.png)" in text
-    for case in ("fits", "limit/10", "limit/100"):
-        assert f"| {case} |" in text
+    assert "| [Wide layer](#wide-layer) | `wide_layer.json` | quick |" in text, text[:2000]
+    assert "| Keras | optimizer | batch x in -> out |" in text
+    for keras in ("keras3", "tf_keras"):
+        assert f"| {keras} |" in text
     assert f"not run: `python -m experiments.knn --quick --out {tmp_path}`" in text
 
 
