@@ -91,7 +91,7 @@ class RootOption:
 
 def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[RootOption]:
     """Every way ``root`` can end a loop: an axis of its output (joined), a reduced axis (folded),
-    the top-k axis, a matmul's contracting axis, and softmax(S) @ V over slices of the keys (whose
+    the top-k axis, a matmul's or a convolution's contracting axis, and softmax(S) @ V over slices of the keys (whose
     softmax nothing else reads but the ops in ``ignored``: the gradients inside the function, rebuilt
     through the loop)."""
     options = []
@@ -129,6 +129,12 @@ def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[R
             options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
                                       absorbed=(probs.op,)))
+    elif root.type in ("Conv2D", "Conv3D"):
+        # conv(x, W) = sum over blocks of input channels of conv(x[.., blk], W[.., blk, :]): the filter's
+        # input-channel axis (second last) is contracted with the input's channel axis
+        axes = rules.image_axes(root, rank)
+        if not isinstance(axes, rules.Refusal):
+            options.append(RootOption(root, "sum", (axes[1], root.inputs[1].shape.rank - 2)))
     elif root.type == "Einsum" and len(root.inputs) == 2:
         probs = root.inputs[0]
         layout = softmax_einsum(root)

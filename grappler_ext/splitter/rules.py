@@ -91,6 +91,7 @@ __all__ = [
     "leaf_kind",
     "rule",
     "factor_axis",
+    "image_axes",
 ]
 
 Rebuild = Callable[[tf.Operation, Sequence[tf.Tensor], int], list[tf.Tensor]]
@@ -752,7 +753,7 @@ _CONVOLUTIONS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative")
 _POOLS = ("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D")
 
 
-def _image_axes(op: tf.Operation, rank: int) -> tuple[int, int] | Refusal:
+def image_axes(op: tf.Operation, rank: int) -> tuple[int, int] | Refusal:
     """``(batch axis, channel axis)`` of a convolution's or pool's input and output by its data format."""
     fmt = op.get_attr("data_format")
     fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
@@ -776,7 +777,7 @@ def _window_spans_channels(op: tf.Operation, channel: int) -> bool:
 # in the output and in the filter [.., in, out])
 @rule(*_CONVOLUTIONS)
 def _convolution(op, output_index, axis):
-    axes = _image_axes(op, op.outputs[0].shape.rank)
+    axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
@@ -797,7 +798,7 @@ def _depthwise(op: tf.Operation, axis: int) -> Refusal:
 # pool(x)[s:s+c] = pool(x[s:s+c])   along the batch, and along the channels when the window is one channel wide
 @rule(*_POOLS)
 def _pool(op, output_index, axis):
-    axes = _image_axes(op, op.outputs[0].shape.rank)
+    axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
@@ -809,7 +810,7 @@ def _pool(op, output_index, axis):
 # max_pool_grad(x, y, dy)[s:s+c] = max_pool_grad(x[s:s+c], y[s:s+c], dy[s:s+c])   (the channels alike)
 @rule("MaxPoolGrad", "MaxPool3DGrad")
 def _max_pool_grad(op, output_index, axis):
-    axes = _image_axes(op, op.outputs[0].shape.rank)
+    axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
@@ -839,7 +840,7 @@ def _with_sized(op: tf.Operation, sizes_index: int, axis: int, input_axes: tuple
 
 @rule("Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropInput")
 def _conv_backprop_input(op, output_index, axis):
-    axes = _image_axes(op, op.outputs[0].shape.rank)
+    axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
@@ -854,7 +855,7 @@ def _conv_backprop_input(op, output_index, axis):
 
 @rule("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
 def _conv_backprop_filter(op, output_index, axis):
-    axes = _image_axes(op, op.inputs[0].shape.rank)
+    axes = image_axes(op, op.inputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     _, channel = axes
@@ -869,7 +870,7 @@ def _conv_backprop_filter(op, output_index, axis):
 
 @rule("AvgPoolGrad", "AvgPool3DGrad")
 def _avg_pool_grad(op, output_index, axis):
-    axes = _image_axes(op, op.outputs[0].shape.rank)
+    axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes

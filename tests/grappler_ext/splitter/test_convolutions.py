@@ -1,0 +1,72 @@
+"""Convolutions in split regions: along the batch (a slice of the images, the filter whole), and a
+convolution as a loop's root contracting its input channels, so that a wide hidden layer between two
+convolutions is computed a block of channels at a time, each block's share of the second
+convolution summed.  Float64, against the program as written, forward and gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from tf_memsafe import hook
+
+RNG = np.random.default_rng(0)
+X = tf.constant(RNG.standard_normal((8, 32, 32, 3)))
+W1 = tf.Variable(RNG.standard_normal((3, 3, 3, 256)) * 0.1)
+W2 = tf.Variable(RNG.standard_normal((3, 3, 256, 8)) * 0.1)
+
+
+def _forward(x):
+    h = tf.nn.relu(tf.nn.conv2d(x, W1, 1, "SAME"))                  # [8, 32, 32, 256]: the wide layer
+    return tf.reduce_sum(tf.nn.conv2d(h, W2, 1, "SAME") ** 2, axis=[1, 2])
+
+
+def _step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(_forward(x))
+    return [loss, *tape.gradient(loss, [W1, W2])]
+
+
+def _split(fn, divisor):
+    naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
+    want = tf.function(fn, jit_compile=True)(X)
+    mark = hook.report_mark()
+    tf_memsafe.enable(naive // divisor, strict=True)
+    try:
+        got = tf.function(fn, jit_compile=True)(X)
+        after = tf_memsafe.memory_footprint(fn, X)
+    finally:
+        tf_memsafe.disable()
+    plans = [r.plan for r in hook.reports_since(mark)[0].records
+             if r.pass_name == "splitter" and r.action == "rewritten"]
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
+    return naive, after, plans
+
+
+def test_a_wide_hidden_layer_is_computed_by_blocks_of_channels():
+    naive, after, plans = _split(_forward, 8)
+    assert after <= naive // 8, (after, naive)
+    conv_roots = [p for p in plans if any(s.kind == "sum" and s.op_type == "Conv2D" for s in p.roots)]
+    assert conv_roots and conv_roots[0].length == 256, [p.render() for p in plans]
+
+
+def test_its_training_step_with_the_tape_inside():
+    naive, after, plans = _split(_step, 6)
+    assert after <= naive // 6, (after, naive)
+    assert plans
+
+
+@pytest.mark.parametrize("pool", [tf.nn.max_pool2d, tf.nn.avg_pool2d])
+def test_convolution_and_pooling_along_the_batch(pool):
+    w = tf.constant(RNG.standard_normal((5, 5, 3, 64)) * 0.1)
+
+    def fn(x):
+        h = pool(tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME")), 2, 2, "VALID")     # [8, 16, 16, 64]
+        return tf.reduce_max(tf.reshape(h, [8, -1]), axis=1)
+
+    naive, after, plans = _split(fn, 4)
+    assert after <= naive // 4, (after, naive)
+    assert any(p.length == 8 for p in plans), [p.render() for p in plans]
