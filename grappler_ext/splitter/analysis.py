@@ -44,8 +44,8 @@ from grappler_ext.splitter.outcome import Code, RootSplit, Why
 from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
-           "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "written_into",
-           "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed", "EinsumLayout",
+           "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "updates_from",
+           "written_into", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed", "EinsumLayout",
            "softmax_einsum"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
@@ -713,6 +713,15 @@ def updates_variable(options, live) -> bool:
     """Whether a root of ``options`` computes a variable's new value (joined, then assigned)."""
     return any(o.kind == "concat" and assigned(o.root.outputs[0], live) is not None for o in options
                if o.root.outputs)
+
+
+def updates_from(options, live, backward: frozenset) -> bool:
+    """Whether a root of ``options`` computes a variable's new value from the gradients (an optimizer's
+    update: its region takes the gradients in), not from the forward alone (a batch norm's moving
+    statistics, whose region leaves the gradients that read its inputs to be rebuilt)."""
+    values = [o.root.outputs[0] for o in options if o.kind == "concat" and o.root.outputs
+              and assigned(o.root.outputs[0], live) is not None]
+    return bool(values) and not backward.isdisjoint(ancestors(values))
 
 
 def written_into(options, grown: Grown, live) -> dict:

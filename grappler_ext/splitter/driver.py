@@ -660,7 +660,7 @@ class _Region:
         t, best = self.tuning, None
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
-            ignored = frozenset() if analysis.updates_variable(options, self.order_index) else self.backward
+            ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
             grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed)
             if isinstance(grown, Why):
                 reasons.append(grown)

@@ -70,3 +70,55 @@ def test_convolution_and_pooling_along_the_batch(pool):
     naive, after, plans = _split(fn, 4)
     assert after <= naive // 4, (after, naive)
     assert any(p.length == 8 for p in plans), [p.render() for p in plans]
+
+
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+def test_batch_normalisation_in_a_training_step_along_the_channels(version):
+    """Convolution, batch normalisation in training (statistics over the batch: the batch cannot be
+    split), ReLU, convolution: split along the hidden channels, the moving statistics updated slice by
+    slice, the normalisation's gradient rebuilt in the loop; loss, gradients and moving statistics equal."""
+    from tests.integration.keras_fit import keras_of
+
+    keras = keras_of(version)
+    images = tf.constant(RNG.standard_normal((8, 32, 32, 3)))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Conv2D(128, 3, padding="same", dtype="float64"),
+                  keras.layers.BatchNormalization(dtype="float64"),
+                  keras.layers.Conv2D(8, 3, padding="same", dtype="float64")]
+        x = images
+        layers[2](layers[1](layers[0](x)))
+        weights = [w for layer in layers for w in layer.trainable_weights]
+        stats = [w for w in layers[1].weights if "moving" in w.name]
+
+        def step(x):
+            with tf.GradientTape() as tape:
+                h = tf.nn.relu(layers[1](layers[0](x), training=True))
+                loss = tf.reduce_sum(layers[2](h) ** 2)
+            grads = tape.gradient(loss, weights)
+            for w, g in zip(weights, grads):
+                w.assign_sub(1e-4 * g)
+            return loss
+        return step, weights + stats, x
+
+    step, variables, x = build()
+    naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
+    want = tf.function(step, jit_compile=True)(x)
+    want_vars = [v.numpy() for v in variables]
+    step, variables, x = build()
+    mark = hook.report_mark()
+    tf_memsafe.enable(naive // 8, strict=True)
+    try:
+        got = tf.function(step, jit_compile=True)(x)
+        got_vars = [v.numpy() for v in variables]
+        after = tf_memsafe.memory_footprint(step, x)
+    finally:
+        tf_memsafe.disable()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+    for g, w in zip(got_vars, want_vars):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+    assert after <= naive // 8, (after, naive)
+    plans = [r.plan for r in hook.reports_since(mark)[0].records
+             if r.pass_name == "splitter" and r.action == "rewritten"]
+    assert any(p.length == 128 for p in plans), [p.render() for p in plans]
