@@ -773,21 +773,27 @@ def _window_spans_channels(op: tf.Operation, channel: int) -> bool:
     return any(int(op.get_attr(name)[channel]) != 1 for name in ("ksize", "strides"))
 
 
-# conv(x, W)[s:s+c] = conv(x[s:s+c], W);   conv(x, W)[.., s:s+c] = conv(x, W[.., s:s+c])  (channels last
-# in the output and in the filter [.., in, out])
-@rule(*_CONVOLUTIONS)
-def _convolution(op, output_index, axis):
+def _convolved(op: tf.Operation, axis: int, by_batch: Callable[[int], Propagation | Refusal],
+               by_channel: Callable[[], Propagation | Refusal]) -> Propagation | Refusal:
+    """A convolution's (or its input gradient's) rule: ``by_batch(batch axis)``, ``by_channel()`` for the
+    output channels (refused for depthwise ones), the spatial axes refused."""
     axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
     if axis == batch:
-        return Propagation((batch, None), (axis,))
+        return by_batch(batch)
     if axis == channel:
-        if op.type == "DepthwiseConv2dNative":
-            return _depthwise(op, axis)
-        return Propagation((None, op.inputs[1].shape.rank - 1), (axis,))
+        return _depthwise(op, axis) if op.type.startswith("Depthwise") else by_channel()
     return _spatial(op, axis)
+
+
+# conv(x, W)[s:s+c] = conv(x[s:s+c], W);   conv(x, W)[.., s:s+c] = conv(x, W[.., s:s+c])  (channels last
+# in the output and in the filter [.., in, out])
+@rule(*_CONVOLUTIONS)
+def _convolution(op, output_index, axis):
+    return _convolved(op, axis, lambda b: Propagation((b, None), (axis,)),
+                      lambda: Propagation((None, op.inputs[1].shape.rank - 1), (axis,)))
 
 
 def _depthwise(op: tf.Operation, axis: int) -> Refusal:
@@ -795,28 +801,28 @@ def _depthwise(op: tf.Operation, axis: int) -> Refusal:
                    "the split axis")
 
 
-# pool(x)[s:s+c] = pool(x[s:s+c])   along the batch, and along the channels when the window is one channel wide
-@rule(*_POOLS)
-def _pool(op, output_index, axis):
+def _pooled(op: tf.Operation, axis: int, along: Callable[[int], Propagation | Refusal]) -> Propagation | Refusal:
+    """A pool's (or its gradient's) rule: ``along(axis)`` for the batch, and for the channels where the
+    window is one channel wide; the spatial axes refused."""
     axes = image_axes(op, op.outputs[0].shape.rank)
     if isinstance(axes, Refusal):
         return axes
     batch, channel = axes
     if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
-        return Propagation((axis,), (axis,))
+        return along(axis)
     return _spatial(op, axis)
+
+
+# pool(x)[s:s+c] = pool(x[s:s+c])   along the batch, and along the channels when the window is one channel wide
+@rule(*_POOLS)
+def _pool(op, output_index, axis):
+    return _pooled(op, axis, lambda a: Propagation((a,), (a,)))
 
 
 # max_pool_grad(x, y, dy)[s:s+c] = max_pool_grad(x[s:s+c], y[s:s+c], dy[s:s+c])   (the channels alike)
 @rule("MaxPoolGrad", "MaxPool3DGrad")
 def _max_pool_grad(op, output_index, axis):
-    axes = image_axes(op, op.outputs[0].shape.rank)
-    if isinstance(axes, Refusal):
-        return axes
-    batch, channel = axes
-    if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
-        return Propagation((axis, axis, axis), (axis,))
-    return _spatial(op, axis)
+    return _pooled(op, axis, lambda a: Propagation((a, a, a), (a,)))
 
 
 # The gradients with a shape operand (the input's, the filter's) are rebuilt with the chunk in it:
@@ -840,17 +846,8 @@ def _with_sized(op: tf.Operation, sizes_index: int, axis: int, input_axes: tuple
 
 @rule("Conv2DBackpropInput", "Conv3DBackpropInputV2", "DepthwiseConv2dNativeBackpropInput")
 def _conv_backprop_input(op, output_index, axis):
-    axes = image_axes(op, op.outputs[0].shape.rank)
-    if isinstance(axes, Refusal):
-        return axes
-    batch, channel = axes
-    if axis == batch:
-        return _with_sized(op, 0, axis, (None, None, batch))
-    if axis == channel:
-        if op.type == "DepthwiseConv2dNativeBackpropInput":
-            return _depthwise(op, axis)
-        return _with_sized(op, 0, axis, (None, op.inputs[1].shape.rank - 2, None))
-    return _spatial(op, axis)
+    return _convolved(op, axis, lambda b: _with_sized(op, 0, axis, (None, None, b)),
+                      lambda: _with_sized(op, 0, axis, (None, op.inputs[1].shape.rank - 2, None)))
 
 
 @rule("Conv2DBackpropFilter", "Conv3DBackpropFilterV2")
@@ -870,13 +867,7 @@ def _conv_backprop_filter(op, output_index, axis):
 
 @rule("AvgPoolGrad", "AvgPool3DGrad")
 def _avg_pool_grad(op, output_index, axis):
-    axes = image_axes(op, op.outputs[0].shape.rank)
-    if isinstance(axes, Refusal):
-        return axes
-    batch, channel = axes
-    if axis == batch or (axis == channel and not _window_spans_channels(op, channel)):
-        return _with_sized(op, 0, axis, (None, axis))
-    return _spatial(op, axis)
+    return _pooled(op, axis, lambda a: _with_sized(op, 0, a, (None, a)))
 
 
 # xent(logits, labels)[i][s:s+c] = xent(logits[s:s+c], labels[s:s+c])[i]    the loss [B] and its
