@@ -272,6 +272,9 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
                 stop = Why(Code.REFUSED_OP, prop.reason)
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
+            elif ignored and _sparse_lookup(op, prop):
+                stop = Why(Code.REFUSED_OP, f"`{op.name}` looks up rows of a variable, whose gradient is sparse "
+                                            "(IndexedSlices): in a loop it would be summed dense")
             elif not factor.unit and prop.rebuild_at is not None:
                 # Its slice depends on where it starts (a band, a draw keyed by its offset): only
                 # along the roots' own rows.
@@ -464,6 +467,14 @@ def _scalar_source(t: tf.Tensor, depth: int) -> tuple[tf.Tensor, int] | None:
             x = op.inputs[0].op.inputs[0]
             return (x, int(np.asarray(begin).reshape(-1)[0]) % max(1, x.shape.rank or 1))
     return None
+
+
+def _sparse_lookup(op: tf.Operation, prop: rules.Propagation) -> bool:
+    """Whether ``op`` gathers rows of a variable's value read whole (an embedding lookup): the gradients
+    recorded for that variable are ``IndexedSlices``, which a loop's gradient would accumulate dense, so
+    the lookup stays outside the loop and its output is sliced."""
+    return (op.type == "GatherV2" and prop.input_axes[0] is None
+            and computed(op.inputs[0].op).type == "ReadVariableOp")
 
 
 def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
