@@ -273,8 +273,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
             elif ignored and _sparse_lookup(op, prop):
-                stop = Why(Code.REFUSED_OP, f"`{op.name}` looks up rows of a variable, whose gradient is sparse "
-                                            "(IndexedSlices): in a loop it would be summed dense")
+                stop = Why(Code.SPARSE_LOOKUP, f"`{op.name}` looks up rows of a variable, whose gradient is "
+                                               "sparse (IndexedSlices): in a loop it would be summed dense")
             elif not factor.unit and prop.rebuild_at is not None:
                 # Its slice depends on where it starts (a band, a draw keyed by its offset): only
                 # along the roots' own rows.
