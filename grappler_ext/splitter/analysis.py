@@ -720,18 +720,22 @@ def assigned(t: tf.Tensor, live) -> tf.Tensor | None:
                  and c in live), None)
 
 
+def _assigned_values(options, live) -> list[tf.Tensor]:
+    """The concat roots' outputs of ``options`` that are a variable's new value (joined, then assigned)."""
+    return [o.root.outputs[0] for o in options if o.kind == "concat" and o.root.outputs
+            and assigned(o.root.outputs[0], live) is not None]
+
+
 def updates_variable(options, live) -> bool:
     """Whether a root of ``options`` computes a variable's new value (joined, then assigned)."""
-    return any(o.kind == "concat" and assigned(o.root.outputs[0], live) is not None for o in options
-               if o.root.outputs)
+    return bool(_assigned_values(options, live))
 
 
 def updates_from(options, live, backward: frozenset) -> bool:
     """Whether a root of ``options`` computes a variable's new value from the gradients (an optimizer's
     update: its region takes the gradients in), not from the forward alone (a batch norm's moving
     statistics, whose region leaves the gradients that read its inputs to be rebuilt)."""
-    values = [o.root.outputs[0] for o in options if o.kind == "concat" and o.root.outputs
-              and assigned(o.root.outputs[0], live) is not None]
+    values = _assigned_values(options, live)
     return bool(values) and not backward.isdisjoint(ancestors(values))
 
 
