@@ -63,6 +63,7 @@ class Rule:
       kind: see :class:`Kind`.
       static_inputs: operand positions read at compile time (axes, shapes, permutations, ``k``);
         they are never buffers.  ``-1`` is the last operand (``ConcatV2``'s axis).
+      all_static: every operand is read at compile time, however many (``ShapeN``).
       expensive: LOOP only: XLA will not duplicate this op into several fusions, nor fuse it into
         a consumer that reads each element many times; a bool or a predicate on the op.
       in_place: the output may take over an operand buffer of the same shape that dies here.
@@ -80,6 +81,7 @@ class Rule:
 
     kind: Kind
     static_inputs: tuple[int, ...] = ()
+    all_static: bool = False
     expensive: bool | Callable[[tf.Operation], bool] = False
     in_place: bool = False
     fuses_operand: Callable[[tf.Operation, int, object], tuple[bool, str]] | None = None
@@ -89,7 +91,7 @@ class Rule:
 
     def is_static_input(self, op: tf.Operation, index: int) -> bool:
         n = len(op.inputs)
-        return any(index == (i % n if n else i) for i in self.static_inputs)
+        return self.all_static or any(index == (i % n if n else i) for i in self.static_inputs)
 
     def is_expensive(self, op: tf.Operation) -> bool:
         return self.expensive(op) if callable(self.expensive) else bool(self.expensive)
@@ -406,7 +408,7 @@ _register("Const", Rule(Kind.CONSTANT))
 _register("NoOp", Rule(Kind.STATIC))
 _register("Shape Size Rank", Rule(Kind.STATIC, static_inputs=(0,)))
 # ShapeN (a convolution's gradient asks its operands' shapes): every operand read at compile time.
-_register("ShapeN", Rule(Kind.STATIC, static_inputs=tuple(range(16))))
+_register("ShapeN", Rule(Kind.STATIC, all_static=True))
 _register("BroadcastGradientArgs", Rule(Kind.STATIC, static_inputs=(0, 1)))
 
 # Shape-only ops: XLA lowers them to bitcasts (0 bytes); measured ``x[:, None]`` costs nothing.
