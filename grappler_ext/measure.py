@@ -73,7 +73,7 @@ def program_figure(measurer: Measurer | None, graph) -> Figure:
         return Figure()
     journal = graph_edit.active_journal()
     memo = getattr(graph, _MEMO, None)
-    size = shapes.nominal_size()
+    size = shapes.nominal_key()
     if (journal is not None and memo is not None and memo[0] is measurer and memo[1] is journal
             and memo[2] == journal.version and memo[3] == size):
         return memo[4]

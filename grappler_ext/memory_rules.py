@@ -406,6 +406,8 @@ _register("ReadVariableOp", Rule(Kind.PARAMETER, static_inputs=(0,)))
 _register("Const", Rule(Kind.CONSTANT))
 # No runtime data.
 _register("NoOp", Rule(Kind.STATIC))
+# XLA drops asserts ("Ignoring Assert operator"): a loss' check of its labels' run-time shape.
+_register("Assert", Rule(Kind.STATIC))
 _register("Shape Size Rank", Rule(Kind.STATIC, static_inputs=(0,)))
 # ShapeN (a convolution's gradient asks its operands' shapes): every operand read at compile time.
 _register("ShapeN", Rule(Kind.STATIC, all_static=True))

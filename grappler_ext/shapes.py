@@ -11,6 +11,17 @@ planning need sizes; the loops the splitter builds do not (they take their trip 
         shapes.dims(x)          # [4096, 3] for x of shape [?, 3]
         shapes.nbytes(x)        # 4096 * 3 * 4
 
+A program with several such dimensions (a padded batch: its size and its length) is read better
+with a :class:`Symbols` table (:func:`symbols`): each tensor's dimensions as products of the
+function's run-time sizes, found by TensorFlow's own shape inference on the graph with those
+sizes set to distinct primes.  Under ``nominal(size, table, values)`` a tensor the table knows
+has its dimensions evaluated at ``values`` (a batch at 8, a length at ``size``); the others, and
+every tensor without a table, read ``size``:
+
+    table = shapes.symbols(graph)
+    with shapes.nominal(2048, table, {0: 8}):
+        shapes.dims(scores)     # [8, 4, 2048, 2048] for scores of shape [?, 4, ?, ?]
+
 Outside :func:`nominal` (and for tensors of unknown rank) these are the static shapes as they are.
 The setting is per thread and per context (``contextvars``): two threads tracing at once each
 plan with their own.  The mechanism (what is built into a graph) never reads the nominal size:
@@ -21,32 +32,193 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator
 
 import tensorflow as tf
 
-__all__ = ["nominal", "nominal_size", "dims", "is_static", "num_elements", "nbytes", "dynamic_axes",
-           "concrete_spec"]
+__all__ = ["Symbols", "symbols", "nominal", "same_as", "symbolic", "nominal_size", "nominal_key", "dims", "is_static",
+           "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
 
-_NOMINAL: contextvars.ContextVar[int | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
+# A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
+# product of the run-time sizes: L - 1, or unknown to the inference).
+Monomial = tuple[int, tuple[tuple[int, int], ...]]
+# symbol k is read as _PRIMES[k]: small enough that products of two, times a layer's width, stay
+# within the int32 shape arithmetic TensorFlow's inference evaluates (B * L for a reshape)
+_PRIMES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061, 1063, 1069, 1087, 1091, 1093, 1097)
+_SHIFT = 16           # a remainder this near a multiple of a prime: a shifted size
+
+
+@dataclasses.dataclass(eq=False)
+class Symbols:
+    """Each tensor's dimensions (by name) as monomials of the function's run-time sizes.
+
+    Symbol ``k`` stands for the sizes of ``sources[k]``, ``(input, axis)`` pairs: one pair each
+    where the program lets them differ (a kNN's queries and points), or every input's axis ``a``
+    where it does not (a batch's features and labels, whose sizes its loss requires equal: the
+    shape inference rejects distinct ones); then a symbol's size when the function runs is the
+    largest of theirs, an upper bound for each.  Tensors made after the table (a loop's outputs)
+    are added by :meth:`same_as`."""
+
+    names: dict[str, tuple[Monomial | None, ...]]
+    count: int                                         # symbols 0 .. count - 1
+    sources: dict[int, list[tuple[tf.Tensor, int]]] = dataclasses.field(default_factory=dict)
+
+    def axis(self, k: int) -> int:
+        """The input axis symbol ``k`` stands for (0: a batch)."""
+        return self.sources[k][0][1]
+
+    def run_size(self, k: int) -> tf.Tensor:
+        """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles)."""
+        sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
+        return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
+
+    def same_as(self, new: tf.Tensor, old: tf.Tensor) -> None:
+        """``new`` has ``old``'s shape (a loop's output in place of the region's root's)."""
+        if old.name in self.names and new.shape.rank == old.shape.rank:
+            self.names[new.name] = self.names[old.name]
+
+
+def _monomial(d: int, count: int) -> Monomial | None:
+    powers = []
+    for k in range(count):
+        p, e = _PRIMES[k], 0
+        while d % p == 0:
+            d //= p
+            e += 1
+        if e:
+            powers.append((k, e))
+    # a remainder near a multiple of a prime is a size shifted by a constant (L - 1, 2 L + 1): not a
+    # product of them (a static factor that near one is taken for one too, and grows as the fastest)
+    if any(min(d % p, p - d % p) < _SHIFT for p in _PRIMES[:count] if d >= p - _SHIFT):
+        return None
+    return (d, tuple(powers))
+
+
+def _inferred(graph, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | None:
+    """A copy of ``graph`` with each input's unknown axis set to its symbol's prime, its shapes
+    inferred by TensorFlow; ``None`` where the inference rejects them."""
+    names = {t.op.name: t for t in inputs}
+    graph_def = graph.as_graph_def()
+    for node in graph_def.node:
+        if node.op == "ReadVariableOp":
+            # A variable's value as its read has it (the copy's handles lose their shapes): a placeholder.
+            value = graph.get_operation_by_name(node.name).outputs[0]
+            node.op, inputs_of = "Placeholder", list(node.input)
+            del node.input[:]
+            node.input.extend(i for i in inputs_of if i.startswith("^"))
+            node.attr.clear()
+            node.attr["dtype"].type = value.dtype.as_datatype_enum
+            node.attr["shape"].shape.CopyFrom(value.shape.as_proto())
+            continue
+        t = names.get(node.name)
+        if t is None or "shape" not in node.attr:
+            continue
+        node.attr["shape"].shape.CopyFrom(tf.TensorShape(
+            [_PRIMES[symbol_of[t.name, a]] if d is None else d for a, d in enumerate(t.shape.as_list())]).as_proto())
+        node.attr.pop("_output_shapes", None)
+    copy = tf.Graph()
+    try:
+        with copy.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None
+    return copy
+
+
+def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
+    """The :class:`Symbols` of ``graph`` whose run-time sizes are those of ``inputs`` (its own
+    inputs' unknown dimensions), or ``None`` where the inference fails (an op whose shape function
+    rejects the primes).  TensorFlow's shape inference runs on a copy of the graph (its
+    ``GraphDef``) with each symbol's sizes set to a prime of its own; a dimension that comes out as
+    a product of them (and a static factor) is read as that monomial."""
+    pairs = [(t.name, a) for t in inputs for a in dynamic_axes(t)]
+    if not pairs:
+        return None
+    copy, symbol_of = None, {}
+    if len(pairs) <= len(_PRIMES):                      # one symbol each, where the program allows it
+        symbol_of = {pair: k for k, pair in enumerate(pairs)}
+        copy = _inferred(graph, inputs, symbol_of)
+    if copy is None:                                    # one per axis
+        axes = sorted({a for _, a in pairs})
+        if len(axes) > len(_PRIMES):
+            return None
+        symbol_of = {(name, a): axes.index(a) for name, a in pairs}
+        copy = _inferred(graph, inputs, symbol_of)
+        if copy is None:
+            return None
+    count = max(symbol_of.values()) + 1
+    table: dict = {}
+    for op in copy.get_operations():
+        original = graph.get_operation_by_name(op.name) if op.name else None
+        for o, t in zip(op.outputs, original.outputs if original is not None else ()):
+            if t.shape.rank is None or t.shape.is_fully_defined() or o.shape.rank != t.shape.rank:
+                continue
+            table[t.name] = tuple(None if d is None else (d, ()) if s is not None else _monomial(d, count)
+                                  for d, s in zip(o.shape.as_list(), t.shape.as_list()))
+    by_name = {t.name: t for t in inputs}
+    sources: dict = {}
+    for (name, a), k in symbol_of.items():
+        sources.setdefault(k, []).append((by_name[name], a))
+    return Symbols(table, count, sources)
+
+
+_NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
 
 
 @contextlib.contextmanager
-def nominal(size: int) -> Iterator[int]:
-    """Read every dimension unknown until run time as ``size`` within the block."""
+def nominal(size: int, table: Symbols | None = None, values: dict[int, int] | None = None) -> Iterator[int]:
+    """Read every dimension unknown until run time as ``size`` within the block; with a ``table``,
+    the dimensions it knows as their monomials at ``values`` (symbol -> size; ``size`` for the
+    symbols not given)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"a nominal size must be an int >= 1, got {size!r}")
-    token = _NOMINAL.set(size)
+    values = {k: int(v) for k, v in (values or {}).items()}
+    token = _NOMINAL.set((size, table, values))
     try:
         yield size
     finally:
         _NOMINAL.reset(token)
 
 
+def same_as(new: tf.Tensor, old: tf.Tensor) -> None:
+    """Read ``new`` as ``old`` under the nominal sizes in effect (a loop's output in place of the
+    root it replaces: :meth:`Symbols.same_as`)."""
+    state = _NOMINAL.get()
+    if state is not None and state[1] is not None:
+        state[1].same_as(new, old)
+
+
+def symbolic() -> tuple[Symbols, int, dict[int, int]] | None:
+    """``(table, size, values)`` of the nominal sizes in effect, where they have a table; else ``None``."""
+    state = _NOMINAL.get()
+    return None if state is None or state[1] is None else (state[1], state[0], state[2])
+
+
 def nominal_size() -> int | None:
     """The nominal size in effect, or ``None`` outside :func:`nominal`."""
-    return _NOMINAL.get()
+    state = _NOMINAL.get()
+    return None if state is None else state[0]
+
+
+def nominal_key() -> tuple | None:
+    """What the nominal sizes in effect read every tensor as (a memo's key), or ``None``."""
+    state = _NOMINAL.get()
+    if state is None:
+        return None
+    size, table, values = state
+    return (size, id(table), len(table.names) if table is not None else 0, tuple(sorted(values.items())))
+
+
+def _evaluate(m: Monomial | None, size: int, values: dict[int, int]) -> int | None:
+    if m is None:
+        return None
+    coefficient, powers = m
+    out = coefficient
+    for k, e in powers:
+        out *= values.get(k, size) ** e
+    return out
 
 
 def dynamic_axes(t: tf.Tensor) -> tuple[int, ...]:
@@ -61,8 +233,18 @@ def dims(t: tf.Tensor) -> list[int | None] | None:
     ``None`` for an unknown rank."""
     if t.shape.rank is None:
         return None
-    size = _NOMINAL.get()
-    return [size if d is None else d for d in t.shape.as_list()]
+    state = _NOMINAL.get()
+    if state is None:
+        return t.shape.as_list()
+    size, table, values = state
+    known = table.names.get(t.name) if table is not None else None
+    out = []
+    for i, d in enumerate(t.shape.as_list()):
+        if d is None:
+            d = _evaluate(known[i], size, values) if known is not None else None
+            d = size if d is None else d
+        out.append(d)
+    return out
 
 
 def is_static(t: tf.Tensor) -> bool:

@@ -37,7 +37,7 @@ from grappler_ext.op_types import (
     reserve_space,
     static_shape_reader,
 )
-from grappler_ext.splitter import rules
+from grappler_ext.splitter import rules, scaling
 from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
 from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
@@ -300,8 +300,13 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     why = _dynamic_dims(options, sliced_inputs, whole, dynamic)
     if why is not None:
         return why
-    if dynamic:
-        length = shapes.nominal_size()
+    if dynamic:              # its nominal length (a padded batch's at its own nominal size)
+        first, axis = next(iter(sliced_inputs.items()), (None, None))
+        length = (shapes.dims(first.deref())[axis] if first is not None and first not in factors
+                  else shapes.nominal_size())
+    scaled = _scaling(options, included - roots, sliced_inputs, factors, dynamic)
+    if isinstance(scaled, Why):
+        return scaled
     if len(options) > 1:
         # Roots split together must not read each other's results (logsumexp's Sum reads the
         # whole row max): the loop would need what it computes.
@@ -311,7 +316,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             return Why(Code.REGION_CONFLICT, f"the roots read each other's results (`{needed[0].name}`)")
     ops = sorted((included - roots) | read_in_slice, key=lambda o: order_index[o])
     region = Region(ops=ops, input_axes=input_axes, rebuild=rebuild, sliced_inputs=sliced_inputs,
-                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic, factors=factors)
+                    whole_inputs=whole, length=length, root_partial=None, dynamic=dynamic or scaled is not None,
+                    factors=factors, scaled=scaled, least_chunk=top_k(options))
     stops.sort(key=lambda s: -s[0])
     return Grown(region, included, [why for _, why in stops])
 
@@ -323,37 +329,65 @@ def _size(dim) -> str:
     return "unknown until run time" if dim is None else str(dim)
 
 
+def _scaling(options, ops, sliced_inputs: dict, factors: dict, dynamic: bool):
+    """:attr:`Region.scaled` of a region of ``ops``: ``None`` where no tensor a slice computes has a
+    dimension besides the split axis known only at run time (and outside planning at nominal
+    sizes); else how its rows grow with the run's sizes (:mod:`.scaling`), or why it cannot say."""
+    if shapes.nominal_size() is None:
+        return None
+    tensors = [t for t in [o for op in ops for o in op.outputs] + [ref.deref() for ref in sliced_inputs]
+               if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and t.shape.rank is not None]
+    if not any(len(shapes.dynamic_axes(t)) > int(dynamic) for t in tensors):
+        return None
+    state = shapes.symbolic()
+    first, axis = next(((ref, a) for ref, a in sliced_inputs.items() if ref not in factors), (None, None))
+    known = state[0].names.get(first.deref().name) if state is not None and first is not None else None
+    if known is None:
+        return Why(Code.DYNAMIC_AXIS, "its slices have other dimensions known only at run time, and their sizes "
+                                      "could not be read as products of the function's input sizes")
+    for option in options:
+        for t in option.root.outputs:
+            if not t.shape.is_fully_defined() and state[0].names.get(t.name) is None:
+                return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dimensions known only at run time that are not "
+                                              "products of the function's input sizes")
+    return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], known[axis] if dynamic else None, dynamic)
+
+
 def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Why | None:
     """Why a region with dimensions known only at run time cannot be split, or ``None``.
 
-    Only the split axis may be one (a slice's cost then does not depend on the run; the ops inside
-    were checked by their rules).  A loop along it takes its length from the sliced inputs' shapes
-    when it runs, in chunks planned at the nominal size (:mod:`grappler_ext.shapes`): so that needs
-    one, and the sliced inputs' lengths must be one length -- the same tensor, or tensors carrying
-    the axis from the function's inputs (a batch of features and its labels), or from one tensor,
-    through ops that keep it.
+    Planned at a nominal size (:mod:`grappler_ext.shapes`), every dimension may be one: a loop
+    along the split axis takes its length from the sliced inputs' shapes when it runs, and its
+    chunk is scaled to the run's other sizes (:mod:`.scaling`).  Outside such
+    planning only the split axis may be one.  The sliced inputs' lengths must be one length -- the
+    same tensor, or tensors carrying the axis from the function's inputs (a batch of features and
+    its labels), or from one tensor, through ops that keep it.
     """
+    scaled = shapes.nominal_size() is not None
+
+    def stray(t: tf.Tensor, axes: set) -> bool:         # a dimension it cannot plan
+        return t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and (
+            t.shape.rank is None or (not scaled and bool(set(shapes.dynamic_axes(t)) - axes)))
+
     for option in options:
         outputs = option.output_axes or (None,) * len(option.root.outputs)
         for t, a in list(zip(option.root.inputs, option.input_axes)) + list(zip(option.root.outputs, outputs)):
-            if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and (
-                    t.shape.rank is None or set(shapes.dynamic_axes(t)) - {a}):
+            if stray(t, {a}):
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dynamic shape {t.shape}: only the split axis may be "
                                               "dynamic")
     if not dynamic and not any(shapes.dynamic_axes(r.deref()) for r in list(sliced_inputs) + list(whole)):
         return None
-    if dynamic and shapes.nominal_size() is None:
+    if dynamic and not scaled:
         return Why(Code.DYNAMIC_AXIS, "the split axis is known only at run time, and no nominal size was given "
                                       "to plan it")
     for ref, axis in sliced_inputs.items():
-        t = ref.deref()
-        if t.shape.rank is None or set(shapes.dynamic_axes(t)) - {axis}:
+        if stray(ref.deref(), {axis}):
+            t = ref.deref()
             return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dynamic shape {t.shape}, split along {axis}: only the "
                                           "split axis may be dynamic")
     for ref in whole:
-        t = ref.deref()
-        if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and (
-                t.shape.rank is None or shapes.dynamic_axes(t)):
+        if stray(ref.deref(), set()):
+            t = ref.deref()
             return Why(Code.DYNAMIC_AXIS, f"`{t.name}` of dynamic shape {t.shape} is read whole by every slice")
     sources = {length_source(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
     if dynamic and len(sources) > 1:
@@ -367,13 +401,14 @@ _INPUT = "(the function's inputs)"
 
 
 def length_source(t: tf.Tensor, axis: int, depth: int = 256) -> tuple[str, int]:
-    """Where the run-time length of ``t``'s ``axis`` comes from: ``(_INPUT, 0)`` for the function's
-    inputs (their unknown dimensions are taken as one: a batch's features and labels), else the
+    """Where the run-time length of ``t``'s ``axis`` comes from: ``(_INPUT, axis)`` for the function's
+    inputs (their unknown dimensions at one axis are taken as one: a batch's features and labels, a
+    padded batch's lengths), else the
     tensor and axis the ops keeping it lead back to (an op that keeps it is one whose split rule
     reads exactly one input along a dynamic axis, or several with one source)."""
     for _ in range(depth):
         if t.op.type in ("Placeholder", "PlaceholderWithDefault") and not t.op.inputs:
-            return (_INPUT, 0)
+            return (_INPUT, axis)
         if t.shape.rank is None or t.shape[axis] is not None:
             return (t.name, axis)
         same = _SAME_LENGTH.get((t.op.type, t.value_index, axis))

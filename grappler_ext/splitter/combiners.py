@@ -53,10 +53,39 @@ from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
-__all__ = ["value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat", "InPlace",
-           "write_slice", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
+__all__ = ["RunSpec", "dims_of", "value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat",
+           "InPlace", "write_slice", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
            "combiner_for_reduction",
            "REDUCTION_COMBINERS"]
+
+
+class RunSpec:
+    """A partial result's spec whose dimensions are partly known only at run time: the static
+    ``shape`` (``None`` there) of a partial shaped as ``source`` (size 1 along ``unit_axes``), and,
+    once the loop is built, its run-time sizes (``run``: a shape tensor XLA resolves when it compiles)."""
+
+    def __init__(self, source: tf.Tensor, dtype: tf.DType, unit_axes=(), run: tf.Tensor | None = None):
+        self.source, self.dtype, self.unit_axes, self.run = source, dtype, tuple(unit_axes), run
+        dims = source.shape.as_list()
+        for axis in self.unit_axes:
+            dims[axis] = 1
+        self.shape = tf.TensorShape(dims)
+
+    def bound(self, run: tf.Tensor | None) -> RunSpec:
+        if run is None:
+            raise ValueError(f"the sizes of `{self.source.name}` {self.source.shape} are not products of the "
+                             "function's run-time sizes")
+        return RunSpec(self.source, self.dtype, self.unit_axes, run)
+
+    def dims(self) -> tf.Tensor:
+        if self.run is None:
+            raise ValueError(f"a partial of shape {self.shape} whose sizes are read at run time has no sizes bound")
+        return self.run
+
+
+def dims_of(spec) -> tf.TensorShape | tf.Tensor:
+    """The shape to make an initial carry of ``spec`` in: static, or read at run time (:class:`RunSpec`)."""
+    return spec.dims() if isinstance(spec, RunSpec) else spec.shape
 
 
 class Combiner(abc.ABC):
@@ -97,10 +126,11 @@ class Combiner(abc.ABC):
         """The gradient each of one slice's partials receives, given the outputs' upstream gradient."""
         raise NotImplementedError(f"the `{self.name}` combiner has no gradient")
 
-    def at_length(self, length: tf.Tensor) -> Combiner:
+    def at_length(self, length: tf.Tensor, chunk=None) -> Combiner:
         """This combiner for a split axis whose length is known only at run time (a scalar tensor):
         ``ceil(length / c)`` slices, the last one's rows past ``length`` masked to the reduction's
-        identity by the roots' partials, no remainder slice.  Most need nothing more."""
+        identity by the roots' partials, no remainder slice; ``chunk``: ``c`` where it is not the
+        planned one (scaled at run time).  Most need nothing more."""
         return self
 
 
@@ -131,7 +161,7 @@ class Concat(Combiner):
         return [None if up is None else dynamic_slice(up, self.axes[i], offset, chunk)
                 for i, up in enumerate(upstream)]
 
-    def at_length(self, length):
+    def at_length(self, length, chunk=None):
         return _ConcatTo(self.axes, length)
 
 
@@ -172,7 +202,7 @@ class InPlace(Concat):
             return list(carry)
         return [write_slice(buf, p, self.axes[i], tail_offset) for i, (buf, p) in enumerate(zip(carry, tail_partials))]
 
-    def at_length(self, length):
+    def at_length(self, length, chunk=None):
         raise ValueError("a result written in place needs a static length")
 
 
@@ -201,7 +231,7 @@ class _ConcatTo(Concat):
         return [None if up is None else mask_rows(clamped_slice(up, self.axes[i], offset, chunk), self.axes[i],
                                                   valid, 0) for i, up in enumerate(upstream)]
 
-    def at_length(self, length):
+    def at_length(self, length, chunk=None):
         return _ConcatTo(self.axes, length)
 
 
@@ -233,7 +263,7 @@ class Sum(_Fold):
     linear_upstream = True
 
     def identity(self, spec):
-        return tf.zeros(spec.shape, spec.dtype)
+        return tf.zeros(dims_of(spec), spec.dtype)
 
     def op(self, a, b):
         return a + b
@@ -263,8 +293,8 @@ class Mean(Sum):
             return p * tf.cast(w, p.dtype)
         return p * tf.constant(w, dtype=p.dtype)  # not tf.cast(w): that rounds w to float32 first
 
-    def at_length(self, length):
-        return _MeanOver(length, self.chunk)
+    def at_length(self, length, chunk=None):
+        return _MeanOver(length, self.chunk if chunk is None else chunk)
 
     def step(self, carry, partials, index, offset):
         return [c + self._weighted(p, self.chunk / self.length) for c, p in zip(carry, partials)]
@@ -316,16 +346,16 @@ class Reduce(_Fold):
     def identity(self, spec):
         dt = spec.dtype
         if self.name == "all":
-            return tf.ones(spec.shape, tf.bool)
+            return tf.ones(dims_of(spec), tf.bool)
         if self.name == "any":
-            return tf.zeros(spec.shape, tf.bool)
+            return tf.zeros(dims_of(spec), tf.bool)
         if self.name == "prod":
-            return tf.ones(spec.shape, dt)
+            return tf.ones(dims_of(spec), dt)
         if dt.is_floating:
             value = float("-inf") if self.name == "max" else float("inf")
         else:
             value = dt.min if self.name == "max" else dt.max
-        return tf.fill(spec.shape, tf.constant(value, dt))
+        return tf.fill(dims_of(spec), tf.constant(value, dt))
 
     def op(self, a, b):
         return self._OPS[self.name](a, b)
@@ -360,7 +390,7 @@ class Extremum(Combiner):
 
     def init(self, partial_specs, steps):
         value_spec, _ = partial_specs
-        return [self._reduce.identity(value_spec), tf.zeros(value_spec.shape, value_spec.dtype)]
+        return [self._reduce.identity(value_spec), tf.zeros(dims_of(value_spec), value_spec.dtype)]
 
     def _fold(self, carry, partials):
         m, c = carry
@@ -419,8 +449,9 @@ class OnlineSoftmax(Combiner):
 
     def init(self, partial_specs, steps):
         m_spec, l_spec, o_spec = partial_specs
-        return [tf.fill(m_spec.shape, tf.constant(float("-inf"), m_spec.dtype)), tf.zeros(l_spec.shape, l_spec.dtype),
-                tf.zeros(o_spec.shape, o_spec.dtype)]
+        return [tf.fill(dims_of(m_spec), tf.constant(float("-inf"), m_spec.dtype)),
+                tf.zeros(dims_of(l_spec), l_spec.dtype),
+                tf.zeros(dims_of(o_spec), o_spec.dtype)]
 
     @staticmethod
     def _fold(carry, partials):
@@ -493,7 +524,7 @@ class Arg(Combiner):
     def init(self, partial_specs, steps):
         index_spec, value_spec = partial_specs
         worst = Reduce(self.kind).identity(value_spec)
-        return [tf.zeros(index_spec.shape, self.output_type), worst]
+        return [tf.zeros(dims_of(index_spec), self.output_type), worst]
 
     def _better(self, new, old):
         better = new > old if self.kind == "max" else new < old
@@ -545,7 +576,7 @@ class TopK(Combiner):
     def init(self, partial_specs, steps):
         values_spec, index_spec = partial_specs
         worst = Reduce("max").identity(values_spec)
-        return [worst, tf.zeros(index_spec.shape, index_spec.dtype)]
+        return [worst, tf.zeros(dims_of(index_spec), index_spec.dtype)]
 
     def _merge(self, carry_values, carry_indices, values, indices, offset, first):
         glob = indices + tf.cast(offset, indices.dtype)
@@ -637,8 +668,8 @@ class Group(Combiner):
             out += c.finish(cr, tp, tail_offset)
         return out
 
-    def at_length(self, length):
-        return Group([(c.at_length(length), n, m) for c, n, m in self.parts])
+    def at_length(self, length, chunk=None):
+        return Group([(c.at_length(length, chunk), n, m) for c, n, m in self.parts])
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         sizes_out = [m for _, _, m in self.parts]

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import warnings
 
-from grappler_ext import gradients, graph_edit, memory_model, shapes
+from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.op_types import nbytes
@@ -116,18 +116,16 @@ class _Run:
         """The program planned at a nominal size for its dimensions known only at run time
         (:mod:`grappler_ext.shapes`), its loops taking their lengths from the shapes at run time;
         ``None`` (and the graph as it was) where that splits nothing."""
-        def needs(size):
-            return nominal.needs_at(self.graph, size)
-
-        self.growth = nominal.growth(needs)
-        size = None if self.growth is None else nominal.nominal_size(self.growth, needs, self.limit,
+        at = nominal.Nominal(self.graph)                 # how its run-time sizes are read
+        self.growth = nominal.growth(at.needs)
+        size = None if self.growth is None else nominal.nominal_size(self.growth, at.needs, self.limit,
                                                                      self.tuning.dynamic_over)
         if size is None:
             return None
         inputs = nominal.dynamic_inputs(self.graph)
         shown = (", ".join(nominal.dimension(self.graph, t.name) for t in inputs[:3])
                  + (", ..." if len(inputs) > 3 else ""))
-        with shapes.nominal(size):
+        with at.sizes(size):
             est, info = memory_model.analyse(self.graph)
             journal = graph_edit.active_journal()
             mark = len(journal) if journal is not None else None
@@ -138,13 +136,13 @@ class _Run:
             self.result, self.notes, self.pending, self.entry_over = (PassResult(self.name), PassResult(self.name),
                                                                       [], None)
             return None
-        note = result.skip([], f"dynamic shapes ({shown}): planned at {size:,} for each dimension known only at run "
+        note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, where what grows with them is {self.tuning.dynamic_over:g} x the limit; the "
                                "loops take their lengths from the shapes when the function runs",
                            code=Code.DYNAMIC_SHAPES)
         result.records.remove(note)
         result.records.insert(0, note)
-        self.pending = [f"at {size:,} for the dimensions known only at run time ({shown}): {m}" for m in self.pending]
+        self.pending = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in self.pending]
         return result
 
     def _run(self, est, info) -> PassResult:
@@ -689,7 +687,7 @@ class _Region:
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
-            key = policy.rank(planned, options, held, self.budget, t, grown.region.written_into,
+            key = policy.rank(planned, options, held, self.budget, t, grown.region,
                               mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
                 best = _Candidate(key, options, grown, planned, remat)

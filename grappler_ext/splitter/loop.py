@@ -58,8 +58,9 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from grappler_ext import folding
-from grappler_ext.splitter.combiners import Combiner, write_slice
+from grappler_ext.splitter.combiners import Combiner, RunSpec, write_slice
 from grappler_ext.splitter.rules import clone_op
+from grappler_ext.splitter.scaling import Scaling
 from grappler_ext.splitter.slicing import (
     UNIT,
     axis_length,
@@ -101,6 +102,10 @@ class Region:
       written_into: concat roots whose joined result is written, slice by slice, into the buffer of
         one of the sliced inputs: ``{root op: input}`` (a variable's new value into its old one, see
         :func:`.analysis.written_into`); the loop reads that input's slices from the buffer it writes.
+      scaled: for a region whose slices have other dimensions known only at run time (a padded
+        batch's size beside its length), how its rows grow with them (:class:`~.scaling.Scaling`):
+        the loop's chunks are planned at nominal sizes and scaled to the run's, never below
+        ``least_chunk`` (a top-k's k).  Such a region is ``dynamic``.
     """
 
     ops: list[tf.Operation]
@@ -114,6 +119,8 @@ class Region:
     dynamic: bool = False
     factors: dict = dataclasses.field(default_factory=dict)
     written_into: dict = dataclasses.field(default_factory=dict)
+    scaled: Scaling | None = None
+    least_chunk: int = 1
 
 
 def _inline_constant(t: tf.Tensor):
@@ -239,6 +246,15 @@ def run_length(region: Region, external: Sequence[tf.Tensor], values: Sequence[t
     return lengths[0] if len(lengths) == 1 else tf.reduce_max(tf.stack(lengths))
 
 
+def _scaled(region: Region, length, chunks: Sequence[int], specs):
+    """For a region with :attr:`Region.scaled`: ``chunks`` scaled to the run's sizes and ``specs``
+    bound to them (:class:`~.combiners.RunSpec`); else both as they are."""
+    if region.scaled is None:
+        return list(chunks), specs
+    specs = [s.bound(region.scaled.dims(s.source, s.unit_axes)) if isinstance(s, RunSpec) else s for s in specs]
+    return [region.scaled.chunk(c, length, region.least_chunk) for c in chunks], specs
+
+
 def _extent(region: Region, length, chunk: int):
     """``(steps, tail)`` of the loop over ``region`` in chunks of ``chunk``: static ints, or for a
     run-time ``length``, ``ceil(length / chunk)`` slices and no remainder."""
@@ -268,7 +284,7 @@ def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: i
     return result[0], list(result[1:])
 
 
-def forward_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]):
+def forward_program(region: Region, planned: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]):
     """``(external, forward)``: the tensors the region reads from outside, and ``forward(*values)``
     building the loop over slices of ``values`` (standing for ``external``) in the default graph.
 
@@ -278,19 +294,22 @@ def forward_program(region: Region, chunk: int, combiner: Combiner, partial_spec
     external = external_inputs(region)
     build = _slice_builder(region, external)
 
-    def forward(*values):
+    def forward(*values, chunks_out: list | None = None, backward_chunk: int | None = None):
         # After the sliced inputs exist: XLA would otherwise compute a cross-attention's keys and
         # values (from the encoder's output) for every layer at once, long before their loops.
         derived = _in_order(region, external, values, [v for t, v in zip(external, values)
                                                        if t.ref() in region.sliced_inputs] or values)
         length = run_length(region, external, values)
+        (chunk, back), specs = _scaled(region, length, (planned, backward_chunk or planned), partial_specs)
+        if chunks_out is not None:
+            chunks_out.append(back)                # the gradient loop's, scaled alike
         steps, tail = _extent(region, length, chunk)
-        folding = combiner if length is None else combiner.at_length(length)
+        folding = combiner if length is None else combiner.at_length(length, chunk)
 
         def step(vals, offset, size):
             return build(vals, offset, size, derived, length=length)
 
-        count, carry = _loop(step, values, folding, partial_specs, steps, chunk)
+        count, carry = _loop(step, values, folding, specs, steps, chunk)
         # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
         # data dependence keeps XLA's scheduler from computing the remainder slice before the loop
         # and holding its tensors while the loop runs (measured: two slices' worth at the peak).
@@ -350,14 +369,15 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
 
     @tf.custom_gradient
     def split_region(*values):
-        outputs = forward(*values)
+        scaled: list = []                        # the gradient's chunk, scaled to the run's sizes
+        outputs = forward(*values, chunks_out=scaled, backward_chunk=backward_chunk)
 
         def grad(*upstream):
             if region.prologue:
                 return _backward_with_prologue(region, build, external, axes, read_whole, values, outputs,
-                                               upstream, combiner, backward_chunk, floating)
+                                               upstream, combiner, scaled[0], floating)
             return _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner,
-                             backward_chunk, floating)
+                             scaled[0], floating)
 
         return outputs, grad
 
@@ -375,7 +395,7 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     length = run_length(region, external, values)
     steps, tail = _extent(region, length, chunk)
     if length is not None:
-        combiner = combiner.at_length(length)
+        combiner = combiner.at_length(length, chunk)
 
     def slice_grads(offset, size):
         _, sliced_grads, whole_grads = _slice_gradients(
@@ -392,7 +412,8 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     # The sums start from zeros XLA cannot create before the upstream gradients exist (a constant
     # zero buffer is allocated at the program's start and held: 24 of [L, 8, 128] in a Transformer).
     anchor = _opaque_true([u for u in upstream if u is not None] or [v for v in values if v.dtype.is_floating])
-    carry0 += [tf.fill(t.shape, tf.cast(anchor, t.dtype) * 0) for t, w in zip(external, read_whole) if w]
+    carry0 += [tf.fill(t.shape if t.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, t.dtype) * 0)
+               for t, v, w in zip(external, values, read_whole) if w]
 
     def body(i, *carry):
         sliced_grads, whole_grads = slice_grads(i * chunk, chunk)

@@ -36,11 +36,22 @@ def call_seed() -> tf.Tensor:
     return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
 
 
-def _spec_with(t: tf.Tensor, axis, chunk: int) -> tf.TensorSpec:
+def _spec_with(t: tf.Tensor, axis, chunk) -> tf.TensorSpec:
     shape = t.shape.as_list()
     if axis is not None:
-        shape[axis] = chunk
+        shape[axis] = chunk if isinstance(chunk, int) else None     # (a chunk resolved at run time)
     return tf.TensorSpec(shape, t.dtype)
+
+
+def _spec_of(t: tf.Tensor, dtype: tf.DType | None = None, unit_axes=()):
+    """The spec of a partial result shaped as ``t`` (size 1 along ``unit_axes``): static, or with
+    sizes read at run time where ``t``'s are known only then (bound when the loop is built)."""
+    dims = t.shape.as_list()
+    for axis in unit_axes:
+        dims[axis] = 1
+    if None in dims:
+        return combiners.RunSpec(t, dtype or t.dtype, unit_axes)
+    return tf.TensorSpec(dims, dtype or t.dtype)
 
 
 def _root_part(option, plan: ChunkPlan, region: Region):
@@ -53,7 +64,8 @@ def _root_part(option, plan: ChunkPlan, region: Region):
             # Rows past a run-time length are cut off when joined (combiners._ConcatTo): no mask.
             ins = [lookup(t, whole=a is None) for t, a in zip(root_inputs, option.input_axes)]
             return option.propagation.build(root, ins, chunk, offset)
-        specs = [_spec_with(o, a, plan.chunk) for o, a in zip(root.outputs, option.output_axes)]
+        size = None if region.scaled else plan.chunk           # (scaled at run time: .scaling)
+        specs = [_spec_with(o, a, size) for o, a in zip(root.outputs, option.output_axes)]
         into = region.written_into.get(root)
         if into is not None:
             source = [t.ref() for t in external_inputs(region)].index(into.ref())
@@ -73,10 +85,7 @@ def _root_part(option, plan: ChunkPlan, region: Region):
                 s = slicing.mask_rows(s, s.shape.rank - 1, valid, float("-inf"))
             return combiners.softmax_partials(s, lambda e: rules.clone_op(root, [e, v])[0], to_output)
 
-        keep = root.outputs[0].shape.as_list()
-        for axis in value_axes:
-            keep[axis] = 1
-        specs = [tf.TensorSpec(keep, scores.dtype)] * 2 + [tf.TensorSpec(root.outputs[0].shape, scores.dtype)]
+        specs = [_spec_of(root.outputs[0], scores.dtype, value_axes)] * 2 + [_spec_of(root.outputs[0], scores.dtype)]
         return softmax_partial, combiners.OnlineSoftmax(value_axes), specs, True
 
     def partial(lookup, chunk, offset, valid=None):
@@ -97,18 +106,18 @@ def _root_part(option, plan: ChunkPlan, region: Region):
 
     if extremum:
         combiner = combiners.Extremum(kind)
-        specs = [tf.TensorSpec(root.outputs[0].shape, root.outputs[0].dtype)] * 2
+        specs = [_spec_of(root.outputs[0])] * 2
     elif kind.startswith("arg"):
         combiner = combiners.Arg(kind[3:], root.outputs[0].dtype)
-        specs = [tf.TensorSpec(root.outputs[0].shape, root.outputs[0].dtype),
-                 tf.TensorSpec(root.outputs[0].shape, root.inputs[0].dtype)]
+        specs = [_spec_of(root.outputs[0]), _spec_of(root.outputs[0], root.inputs[0].dtype)]
     elif kind == "top_k":
         combiner = combiners.TopK(int(tensor_util.constant_value(root.inputs[1])))
-        specs = [tf.TensorSpec(o.shape, o.dtype) for o in root.outputs]
+        specs = [_spec_of(o) for o in root.outputs]
     else:
-        combiner = (combiners.combiner_for_reduction(root.type, plan.length, plan.chunk, plan.tail)
+        combiner = (combiners.combiner_for_reduction(root.type, plan.length, plan.chunk,
+                                                     plan.tail if isinstance(plan.chunk, int) else 0)
                     if root.type in combiners.REDUCTION_COMBINERS else combiners.Sum())
-        specs = [tf.TensorSpec(o.shape, o.dtype) for o in root.outputs]
+        specs = [_spec_of(o) for o in root.outputs]
     if not combiner.differentiable and any(o.dtype.is_floating for o in root.outputs):
         raise NotImplementedError(f"a split `{root.type}` has no gradient rule yet")
     return partial, combiner, specs, combiner.differentiable
@@ -152,6 +161,8 @@ def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
     (one pass over the slices instead of two): its one floating output is a scalar combined by a sum
     or a mean (:func:`.loop.fusable`), and a gradient recorded inside the function differentiates
     what is computed from it (else those gradients would only cost time)."""
+    if region.scaled:              # its chunks are scaled at run time; a fused loop's are not
+        return False
     combiner, specs, differentiable, _ = combined(options, region, ChunkPlan(length, chunk, 0))
     # The combiner first: the recorded gradients' ancestors are most of the graph.
     return (differentiable and loop_fusable(combiner, specs) is not None
@@ -172,6 +183,8 @@ def untiled(options, region: Region, plan: ChunkPlan, backward_chunk: int,
     """:func:`tiles`' plans, or why the loop is not tiled."""
     if fused or len(options) != 1 or options[0].kind != "online_softmax":
         return "not one attention split along its keys"
+    if region.scaled:
+        return "its slices have other dimensions known only at run time"
     queries = options[0].requests[0][0].shape[-2]
     combiner, specs, _, _ = combined(options, region, plan)
     plans = {}
@@ -234,6 +247,7 @@ def install(graph, scope: str, roots, outputs, graph_outputs: set, region_ops) -
         if old.consumers() or old.ref() in graph_outputs:
             graph_edit.replace_uses(old, new)
         gradients.retarget(graph, old, new)
+        shapes.same_as(new, old)
     with graph_edit.building(graph, scope):
         _fold_shape_readers(region_ops)
 
@@ -292,8 +306,8 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     combiner, specs, _, _ = combined(options, region, plan)
     external, forward = (fused_program if fused else forward_program)(region, plan.chunk, combiner, specs)
     # Dimensions known only at run time are compiled at the nominal size the plan is made at.
-    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
-        raise ValueError("an input without a static shape or of a handle type")
+    if region.scaled or any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
+        raise ValueError("an input without a static shape or of a handle type, or slices of run-time sizes")
     fn = tf.function(lambda *values: forward(*values), jit_compile=True, autograph=False)
     with tf.init_scope():
         return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])

@@ -25,9 +25,10 @@ import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
 
-__all__ = ["Growth", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size", "growth_note"]
+__all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size", "growth_note"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
+BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,42 @@ def dimension(graph, name: str) -> str:
     return f"`{name}` dimension{'s' if len(dims) > 1 else ''} {', '.join(map(str, dims))} of {text}"
 
 
-def needs_at(graph, size: int) -> int | None:
-    """The memory model's count of ``graph`` with its run-time dimensions at ``size`` (the static part,
-    a lower bound, where an op has no byte rule); ``None`` where sizes decided inside the program
-    stay unknown (a sparse update's ``Unique``)."""
-    with shapes.nominal(size):
+class Nominal:
+    """How a program's run-time dimensions are read when it is planned: every tensor's dimensions as
+    products of the function's run-time sizes (:func:`grappler_ext.shapes.symbols`) where they can be
+    found, a batch (an input's axis 0) at :data:`BATCH` beside other run-time sizes, every other at
+    the nominal size.  A padded batch's [B, L, L] scores are then planned as [8, n, n], as
+    batches and sequences usually are (a few examples, long sequences), not [n, n, n]; the loops'
+    chunks are scaled to the run's sizes anyway (:mod:`.scaling`)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.table = shapes.symbols(graph, dynamic_inputs(graph))
+        used = {k for dims in (self.table.names.values() if self.table else ()) for m in dims if m for k, _ in m[1]}
+        batch = {k for k in used if self.table.axis(k) == 0}
+        self.batch = frozenset(batch) if batch and used - batch else frozenset()
+
+    def values(self, size: int) -> dict[int, int]:
+        return {k: min(size, BATCH) for k in self.batch}
+
+    def sizes(self, size: int):
+        """The context (:func:`grappler_ext.shapes.nominal`) that reads the program at ``size``."""
+        return shapes.nominal(size, self.table, self.values(size))
+
+    def needs(self, size: int) -> int | None:
+        return needs_at(self.graph, size, self)
+
+    def describe(self, size: int) -> str:
+        if self.batch:
+            return f"{min(size, BATCH):,} for the batch (the inputs' axis 0) and {size:,} for the other dimensions"
+        return f"{size:,} for each dimension"
+
+
+def needs_at(graph, size: int, at: Nominal | None = None) -> int | None:
+    """The memory model's count of ``graph`` with its run-time dimensions at ``size`` (read as ``at``
+    says, if given; the static part, a lower bound, where an op has no byte rule); ``None`` where
+    sizes decided inside the program stay unknown (a sparse update's ``Unique``)."""
+    with (at.sizes(size) if at is not None else shapes.nominal(size)):
         est, _ = memory_model.analyse(graph)
     if est.dynamic_tensors:
         return None
@@ -86,9 +118,11 @@ def growth(needs: Callable[[int], int | None]) -> Growth | None:
 
 
 def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float) -> int | None:
-    """The size where what grows is ``over`` times ``limit`` by the memory model, or ``None`` where
-    nothing grows.  The straight line through sizes 1 and ``1 + PROBE`` first; what grows faster than
-    the size (a [n, n] matrix) halves it until it is within twice the target."""
+    """The size where what grows is about ``over`` times ``limit`` by the memory model (within a
+    factor of two), or ``None`` where nothing grows.  The straight line through sizes 1 and
+    ``1 + PROBE`` first; what grows faster than the size (a [n, n] matrix, a padded batch's
+    [B, L, L] scores) is halved until within twice the target, and what the line overshoots
+    doubled until at least half of it."""
     if grows.per_unit <= 0:
         return None
     target = over * limit
@@ -98,6 +132,11 @@ def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, 
         if at is None or size <= 2 or at - grows.base_bytes <= 2 * target:
             break
         size //= 2
+    for _ in range(16):
+        at = needs(size)
+        if at is None or at - grows.base_bytes >= target / 2 or size * 2 > 2**31 - 1:
+            break
+        size *= 2
     return size
 
 

@@ -221,25 +221,30 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort)
 
 
-def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, written_into=(),
+def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, region=None,
          computed: float = 1.0) -> tuple:
     """The key candidates are ordered by (the smallest is best).
 
-    Plans that meet the limit first; among them, those computing a share of their work of at most
-    ``Tuning.tiled_share`` (``computed``: an attention in tiles, a causal mask's half skipped, before
-    a loop over its rows computing every score), and those computing it more than once last
-    (``computed`` over 1: an untiled key split recomputing the scores for the gradients inside the
-    function, or one of Keras' attention, which a loop over its rows reaches on from); then those
-    whose joined result is small (a region
-    reaching on to a reduction, rather than stopping at a large tensor it writes whole: SGPR's
-    K(Z, X) as a concat, 2 steps, left [M, N] and its copies live where the region through A A^T
-    and A err, 3 steps, left none), those writing variables in place (a wide layer's update along its
-    kernel's columns), the fewest steps, then the one freeing the most bytes the
+    Plans that meet the limit first; among them, those whose chunk holds at every run-time size
+    before those whose chunk is scaled to it (``region.scaled``: a loop over a kNN's queries known
+    only at run time before one over its points, the queries beside them), and among these the
+    slowest to run out as the run's sizes grow (:attr:`~.scaling.Scaling.degree`: a padded batch's
+    attention along its queries, not its examples); then those computing a
+    share of their work of at most ``Tuning.tiled_share`` (``computed``: an attention in tiles, a
+    causal mask's half skipped, before a loop over its rows computing every score), and those
+    computing it more than once last (``computed`` over 1: an untiled key split recomputing the
+    scores for the gradients inside the function, or one of Keras' attention, which a loop over
+    its rows reaches on from); then those whose joined result is small (a region reaching on to a
+    reduction, rather than stopping at a large tensor it writes whole: SGPR's K(Z, X) as a concat,
+    2 steps, left [M, N] and its copies live where the region through A A^T and A err, 3 steps,
+    left none), those writing variables in place (a wide layer's update along its kernel's
+    columns; ``region.written_into``), the fewest steps, then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
     is judged by the size of its joined result, then by what it leaves); a plan that does not split
     last."""
     chunks = planned.chunks
     count = chunks.steps + (1 if chunks.tail else 0)
+    written_into = region.written_into if region is not None else ()
     joined = joined_bytes(options, written_into)
     if planned.best_effort is not None:
         # (a region writing a large result whole leaves what reads it to another loop: a
@@ -247,7 +252,9 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, writ
         return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
     # (a loop writing variables in place holds none of their gradients whole, which a loop over the
     # batch's rows keeps, and the model's count of it misses: first among those within the limit)
-    return (not chunks.splits, False, (computed > tuning.tiled_share) + (computed > 1),
+    scaled = getattr(region, "scaled", None)
+    return (not chunks.splits, False, 0 if scaled is None else 1 + scaled.degree,
+            (computed > tuning.tiled_share) + (computed > 1),
             joined > tuning.min_tensor_fraction * budget, not written_into, count, -held, chunks.predicted_bytes)
 
 

@@ -71,7 +71,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from grappler_ext import blocked_top_k, folding, graph_edit, op_types
+from grappler_ext import blocked_top_k, folding, graph_edit, op_types, shapes
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -307,7 +307,10 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
             return Refusal(f"cannot split through `{op.type}` ({op.name}): output {output_index} has unknown rank")
         raise ValueError(f"axis {axis} out of range for output {output_index} of `{op.name}` (rank {rank})")
     dynamic = _dynamic_tensor(op)
-    if dynamic is not None and op.outputs[output_index].shape[axis] is not None:
+    # Other dimensions known only at run time are planned at a nominal size, the chunk scaled to
+    # the run's (:mod:`.scaling`); outside such planning only the split axis may be one.
+    scaled = shapes.nominal_size() is not None
+    if dynamic is not None and op.outputs[output_index].shape[axis] is not None and not scaled:
         return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only the split axis may be "
                        "dynamic")
     try:
@@ -325,23 +328,24 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         raise AssertionError(f"the split rule of `{op.type}` returned {result} for output {output_index}, "
                              f"axis {axis}")
     if result and dynamic is not None:
-        stray = _dynamic_off_axis(op, result)
+        stray = _dynamic_off_axis(op, result, scaled)
         if stray is not None:
             return Refusal(f"cannot split through `{op.type}` ({op.name}): {stray}; only the split axis may be "
                            "dynamic")
     return result
 
 
-def _dynamic_off_axis(op: tf.Operation, prop: Propagation) -> str | None:
+def _dynamic_off_axis(op: tf.Operation, prop: Propagation, scaled: bool = False) -> str | None:
     """The first input or output of ``op`` with a dimension unknown until run time other than the
-    one ``prop`` splits it along (a tensor read whole must be static), or ``None``."""
+    one ``prop`` splits it along (a tensor read whole must be static), or ``None``; ``scaled``: only
+    one of unknown rank (the others' sizes are planned at a nominal size)."""
     for kind, tensors, axes in (("input", op.inputs, prop.input_axes), ("output", op.outputs, prop.output_axes)):
         for i, (t, a) in enumerate(zip(tensors, axes)):
             if (op.type, kind, i) in RESERVE_SPACES:
                 continue
             if t.shape.rank is None:
                 return f"{kind} {i} has unknown rank"
-            if any(d is None and j != a for j, d in enumerate(t.shape.as_list())):
+            if not scaled and any(d is None and j != a for j, d in enumerate(t.shape.as_list())):
                 return f"{kind} {i} has dynamic shape {t.shape}" + ("" if a is None else f", split along {a}")
     return None
 
@@ -358,7 +362,7 @@ def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusa
     def rebuild_at(op, inputs, chunk, offset):
         seed = reseed.tensor if reseed.tensor is not None else tf.zeros([2], tf.int64)
         key = seed + tf.stack([tf.constant(salt, tf.int64), tf.cast(offset, tf.int64)])
-        return [draw(_with_chunk(dims, axis, chunk), seed=key, dtype=op.get_attr("dtype"))]
+        return [draw(_sizes(dims, axis, chunk, tf.int32), seed=key, dtype=op.get_attr("dtype"))]
 
     return Propagation((None,), (axis,), rebuild_at=rebuild_at)
 
@@ -376,8 +380,7 @@ def _redraw_keyed(op: tf.Operation, axis: int) -> Propagation | Refusal:
     def rebuild_at(op, inputs, chunk, offset):
         _, key, counter, alg = inputs
         moved = tf.cast(tf.constant(salt, tf.int64) * (1 << 31) + tf.cast(offset, tf.int64) + 1, key.dtype)
-        sizes = tf.constant(_with_chunk(dims, axis, chunk), dtype=op.inputs[0].dtype)
-        return _clone(op, [sizes, key + moved, counter, alg])
+        return _clone(op, [_sizes(dims, axis, chunk, op.inputs[0].dtype), key + moved, counter, alg])
 
     return Propagation((None,) * len(op.inputs), (axis,), rebuild_at=rebuild_at)
 
@@ -404,6 +407,31 @@ clone_op = graph_edit.clone_op
 def _with_chunk(dims: Sequence[int | None], axis: int, chunk: int) -> list[int]:
     """``dims`` with ``chunk`` at ``axis`` (the only dimension that may be unknown: the split one)."""
     return [int(chunk) if i == axis else int(d) for i, d in enumerate(dims)]
+
+
+def _operand(inputs: Sequence[tf.Tensor], index: int) -> tf.Tensor | None:
+    """A rebuild's shape operand, where it was given (a rule's test may pass the sliced input alone)."""
+    return inputs[index] if index < len(inputs) else None
+
+
+def _sizes(dims: Sequence[int | None], axis: int, chunk, dtype, operand: tf.Tensor | None = None) -> tf.Tensor:
+    """``dims`` with ``chunk`` at ``axis`` as a rebuilt op's shape operand: a constant where every
+    size is static; else stacked when the loop is built, a size known only at run time read from
+    ``operand`` (the op's own shape operand, read whole) and a chunk scaled at run time as it is
+    (:mod:`.scaling`).  XLA resolves it when it compiles."""
+    if not isinstance(chunk, tf.Tensor) and all(d is not None for i, d in enumerate(dims) if i != axis):
+        return tf.constant(_with_chunk(dims, axis, chunk), dtype=dtype)
+    parts = []
+    for i, d in enumerate(dims):
+        if i == axis:
+            parts.append(tf.cast(chunk, dtype))
+        elif d is not None:
+            parts.append(tf.constant(int(d), dtype))
+        elif operand is None:
+            raise ValueError(f"dimension {i} of {list(dims)} is known only at run time, and no operand gives it")
+        else:
+            parts.append(tf.cast(operand[i], dtype))
+    return tf.stack(parts)
 
 
 # --- helpers the rules read ----------------------------------------------------------------------
@@ -472,7 +500,7 @@ def _ensure_shape(op, output_index, axis):
         shape = tf.TensorShape(op.get_attr("shape"))
         if shape.rank is not None:
             dims = shape.as_list()
-            dims[axis] = chunk
+            dims[axis] = chunk if isinstance(chunk, int) else None
             shape = tf.TensorShape(dims)
         return _clone(op, inputs, shape=shape)
 
@@ -838,7 +866,7 @@ def _with_sized(op: tf.Operation, sizes_index: int, axis: int, input_axes: tuple
 
     def rebuild(op, inputs, chunk):
         inputs = list(inputs)
-        inputs[sizes_index] = tf.constant(_with_chunk(dims, axis, chunk), dtype=op.inputs[sizes_index].dtype)
+        inputs[sizes_index] = _sizes(dims, axis, chunk, op.inputs[sizes_index].dtype)
         return clone_op(op, inputs)
 
     return Propagation(input_axes, (axis,), rebuild)
@@ -940,8 +968,7 @@ def _reshape(op, output_index, axis, factor: Factor = UNIT):
 
     def rebuild(op, inputs, chunk):
         # The static output shape with c on the axis: any -1 of the shape constant is resolved.
-        shape = tf.constant(_with_chunk(out_dims, axis, chunk), dtype=op.inputs[1].dtype)
-        return [tf.reshape(inputs[0], shape)]
+        return [tf.reshape(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1)))]
 
     before = math.prod(out_dims[:axis])
     for b, n in enumerate(in_dims):
@@ -1090,8 +1117,7 @@ def _slice(op, output_index, axis):
                        "not the whole split axis")
 
     def rebuild(op, inputs, chunk):
-        sizes = tf.constant(_with_chunk(size, axis, chunk), dtype=op.inputs[2].dtype)
-        return [tf.slice(inputs[0], inputs[1], sizes)]
+        return [tf.slice(inputs[0], inputs[1], _sizes(size, axis, chunk, op.inputs[2].dtype))]
 
     return Propagation((axis, None, None), (axis,), rebuild)
 
@@ -1132,7 +1158,7 @@ def _tile(op, output_index, axis):
         times = [int(m) for m in multiples]
 
         def rebuild(op, inputs, chunk):
-            return [tf.tile(inputs[0], tf.constant(_with_chunk(times, axis, chunk), dtype=op.inputs[1].dtype))]
+            return [tf.tile(inputs[0], _sizes(times, axis, chunk, op.inputs[1].dtype))]
 
         return Propagation((None, None), (axis,), rebuild)
     if int(multiples[axis]) != 1:
@@ -1150,8 +1176,7 @@ def _broadcast_to(op, output_index, axis):
     out_dims = _dims(op.outputs[0])
 
     def rebuild(op, inputs, chunk):
-        shape = tf.constant(_with_chunk(out_dims, axis, chunk), dtype=op.inputs[1].dtype)
-        return [tf.broadcast_to(inputs[0], shape)]
+        return [tf.broadcast_to(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1)))]
 
     return Propagation((in_axis, None), (axis,), rebuild)
 
@@ -1162,7 +1187,7 @@ def _fill(op, output_index, axis):
     out_dims = _dims(op.outputs[0])
 
     def rebuild(op, inputs, chunk):
-        return [tf.fill(tf.constant(_with_chunk(out_dims, axis, chunk), dtype=op.inputs[0].dtype), inputs[1])]
+        return [tf.fill(_sizes(out_dims, axis, chunk, op.inputs[0].dtype, _operand(inputs, 0)), inputs[1])]
 
     return Propagation((None, None), (axis,), rebuild)
 

@@ -28,8 +28,8 @@ import dataclasses
 
 import tensorflow as tf
 
-__all__ = ["Factor", "UNIT", "factored_slice", "dynamic_slice", "join_slices", "clamped_slice", "valid_rows",
-           "mask_rows", "trimmed", "axis_length"]
+__all__ = ["Factor", "UNIT", "factored_slice", "dynamic_slice", "join_slices", "clamped_slice",
+           "valid_rows", "mask_rows", "trimmed", "axis_length"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +80,15 @@ def factored_slice(t: tf.Tensor, axis: int, offset, size: int, factor: Factor = 
     return tf.reshape(piece, dims[:axis] + [factor.rows(size)] + dims[axis + 1:])
 
 
-def dynamic_slice(t: tf.Tensor, axis: int, offset, size: int) -> tf.Tensor:
-    """``t[.., offset:offset + size, ..]`` along ``axis``, with a static result shape."""
+def dynamic_slice(t: tf.Tensor, axis: int, offset, size) -> tf.Tensor:
+    """``t[.., offset:offset + size, ..]`` along ``axis``, with a static result shape (but for the
+    dimensions known only at run time, and ``size`` if it is a tensor: :mod:`.scaling`)."""
     shape = t.shape.as_list()
     begin = tf.one_hot(axis, len(shape), on_value=tf.cast(offset, tf.int32), off_value=0, dtype=tf.int32)
-    sizes = list(shape)
+    sizes = [-1 if d is None else d for d in shape]
     sizes[axis] = size
+    if isinstance(size, tf.Tensor):
+        sizes = tf.stack([tf.cast(d, tf.int32) for d in sizes])
     return tf.slice(t, begin, sizes)
 
 

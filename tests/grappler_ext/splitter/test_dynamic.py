@@ -154,23 +154,115 @@ def test_gradient_with_the_tape_outside():
         _close(grads[0], grads[1], f"gradient at n = {n}")
 
 
-def test_two_dynamic_dimensions_are_left_alone_with_a_warning():
+def test_a_distance_between_two_sets_of_one_run_time_size_is_split():
+    """[n, n] from one run-time size: split along one n, the other beside it in every slice (its
+    chunk scaled to the run's n), equal to the unsplit function at lengths far from the nominal."""
     def fn(q):
         return tf.exp(-tf.reduce_sum(tf.square(q[:, None, :] - q[None]), -1)) @ tf.ones([tf.shape(q)[0], 1])
-    tf_memsafe.enable(LIMIT)
+    f, plans = _split(fn)
+    for n in (0, 1, 7, 300, 3000):
+        q = tf.constant(np.random.RandomState(n).randn(n, 3).astype(np.float32))
+        _close(f(q), tf.function(fn, jit_compile=True)(q), f"n = {n}")
+
+
+def test_a_knn_between_two_run_time_sizes_is_split():
+    """Queries and points each of their own run-time size (a [n, m] distance): split, the chunk
+    scaled to the run's m, exact where n and m differ on either side of the nominal size, and
+    within the limit by XLA's figure where the unsplit program is 8 times over."""
+    def knn(q, p):
+        return tf.math.top_k(-_sq_between(q, p), k=5).indices
+    specs = [tf.TensorSpec([None, 3]), tf.TensorSpec([None, 3])]
+    tf_memsafe.enable(LIMIT, strict=True)
     try:
-        f = tf.function(fn, jit_compile=True, input_signature=SPEC)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            f.get_concrete_function()
-        records = _records("fn")
+        f = tf.function(knn, jit_compile=True, input_signature=specs)
+        f.get_concrete_function()
+        records = _records("knn")
+        naive = tf.function(knn, jit_compile=True)
+        for n, m in ((1, 5), (7, 3000), (3000, 7), (2500, 2500)):
+            q, p = (tf.constant(np.random.RandomState(k).randn(k, 3).astype(np.float32)) for k in (n, m))
+            _close(f(q, p), naive(q, p), f"[{n}, {m}]")
+        spec = [tf.TensorSpec([3000, 3]), tf.TensorSpec([2000, 3])]
+        after = tf_memsafe.memory_footprint(f, *spec)
     finally:
         tf_memsafe.disable()
-    assert not any(r.code == Code.SPLIT for r in records)
-    messages = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
-    assert len(messages) == 1 and "`q:0` dimension 0 of [?, 3]" in messages[0]
-    q = tf.constant(rng.randn(7, 3).astype(np.float32))
-    _close(f(q), tf.function(fn, jit_compile=True)(q), "left alone")
+    assert any(r.code == Code.SPLIT for r in records), [r.reason for r in records]
+    assert after <= LIMIT < tf_memsafe.memory_footprint(f, *spec, rewrite=False) // 8
+
+
+def _sq_between(q, p):
+    return tf.reduce_sum(tf.square(q[:, None, :] - p[None]), -1)
+
+
+# --- two run-time sizes: a padded batch's size and length ------------------------------------------
+
+E = 16
+PADDED = [tf.TensorSpec([None, None, E])]
+
+
+def attention(x):
+    """Self-attention of a padded batch: [B, L, L] scores from [B, L, E] (both B and L run-time)."""
+    scores = tf.einsum("bqe,bke->bqk", x, x) / 4.0
+    return tf.einsum("bqk,bke->bqe", tf.nn.softmax(scores, -1), x)
+
+
+def attention_loss(x):
+    return tf.reduce_sum(tf.sin(attention(x)))
+
+
+def attention_step(x):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = attention_loss(x)
+    return loss, tape.gradient(loss, x)
+
+
+def _padded(fn, limit):
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        f = tf.function(fn, jit_compile=True, input_signature=PADDED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # a split program says nothing
+            f.get_concrete_function()
+        records = _records(fn.__name__)
+    finally:
+        tf_memsafe.disable()
+    return f, records
+
+
+def _batch(b, n):
+    return tf.constant(np.random.RandomState(b * 1000 + n).randn(b, n, E).astype(np.float32))
+
+
+@pytest.mark.parametrize("fn", [attention, attention_loss, attention_step], ids=lambda f: f.__name__)
+def test_a_padded_batch_attention_is_split_along_its_queries(fn):
+    """Planned at a batch of 8 and a nominal length, the loop runs along the queries (not the batch:
+    one example's [L, L] scores would not scale) in chunks scaled to the run's batch and length;
+    equal to the unsplit function at sizes far from the nominal ones, forward and gradient."""
+    limit = tf_memsafe.memory_footprint(tf.function(attention_loss), _batch(4, 512), rewrite=False) // 8
+    f, records = _padded(fn, limit)
+    assert records[0].code == Code.DYNAMIC_SHAPES and "8 for the batch" in records[0].reason, records[0].reason
+    plans = [r.plan for r in records if r.code == Code.SPLIT]
+    assert plans and all(p.dynamic for p in plans), [r.reason for r in records]
+    assert not any(a == 0 for p in plans for s in p.roots for a in s.input_axes), [p.render() for p in plans]
+    naive = tf.function(fn, jit_compile=True)
+    for b, n in ((1, 1), (2, 7), (4, 512), (3, 700), (16, 64)):
+        _close(f(_batch(b, n)), naive(_batch(b, n)), f"{fn.__name__} at [{b}, {n}, {E}]")
+
+
+def test_a_padded_batch_attention_keeps_its_limit_at_other_sizes():
+    """XLA's figure of the one trace, compiled for batches and lengths on both sides of the nominal
+    ones, where the unsplit program is 4 to 8 times over: within the limit at each."""
+    limit = tf_memsafe.memory_footprint(tf.function(attention_loss), _batch(4, 512), rewrite=False) // 8
+    f, _ = _padded(attention_step, limit)
+    for b, n in ((4, 512), (2, 1024), (16, 256)):
+        spec = tf.TensorSpec([b, n, E])
+        tf_memsafe.enable(limit)
+        try:
+            after = tf_memsafe.memory_footprint(f, spec)
+        finally:
+            tf_memsafe.disable()
+        before = tf_memsafe.memory_footprint(f, spec, rewrite=False)
+        assert after <= limit < before // 4, (b, n, after, limit, before)
 
 
 def test_a_program_that_fits_at_any_useful_size_says_how_far():

@@ -709,9 +709,9 @@ class TestMustNotFire:
         assert "MatrixDeterminant" in reason
 
     def test_dynamic_shapes(self):
-        # Two dimensions known only at run time in the distance matrix: no loop can be planned.
-        # (One, the queries', is split: tests/grappler_ext/splitter/test_dynamic.py.)
-        (reason,) = self.unchanged(knn_l2, tf.TensorSpec([None, 3]), tf.TensorSpec([None, 3]))
+        # Inputs of unknown rank: no size can be planned.  (Run-time sizes of known rank are split:
+        # tests/grappler_ext/splitter/test_dynamic.py.)
+        (reason,) = self.unchanged(knn_l2, tf.TensorSpec(None), tf.TensorSpec(None))
         assert self.codes == [Code.DYNAMIC_SHAPES] and reason.startswith("dynamic shapes")
         assert "input_signature" in reason
 

@@ -1,0 +1,135 @@
+"""Chunks scaled to the sizes a function runs at, for loops whose slices have other run-time sizes.
+
+A loop along a padded batch's length (``[B, L, L]`` attention scores split along their queries)
+holds, per row of its slice, ``B * L`` scores: how many rows a slice may hold depends on sizes
+known only when the function runs.  The splitter plans such a loop at nominal sizes
+(:class:`~.nominal.Nominal`: the batch at 8, the length at ``n``) and the loop computes its chunk
+from the run's sizes, which XLA resolves when it compiles the function for its inputs' shapes:
+
+    chunk = clip(floor(planned / growth), least, length)
+    growth = max over the slice's tensors of prod_k (size_k / nominal_k) ** power_k
+
+where ``power_k`` is how often run-time size ``k`` (a function input's axis ``k``: the batch, the
+length) multiplies one row of that tensor (:func:`grappler_ext.shapes.symbols`).  No slice then
+holds more than it was planned to, at any sizes, down to ``least`` rows (one row, or a top-k's
+k): past that, a slice of one row is over its budget, and the loop runs as well as it can.  A
+dimension that is not such a product (``L - 1``) grows as the fastest of the run-time sizes.
+
+The same sizes give the loop's accumulators their shapes (``[B, E]`` for a sum over the length):
+:meth:`Scaling.dims`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from grappler_ext import shapes
+
+__all__ = ["Row", "Scaling", "of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """How one row of a tensor a slice computes grows: ``powers`` of the run-time sizes (symbol ->
+    power) and ``unknown`` dimensions that are not products of them."""
+
+    powers: tuple[tuple[int, int], ...]
+    unknown: int = 0
+
+
+@dataclasses.dataclass
+class Scaling:
+    """A region's rows (:class:`Row`), the run-time sizes they read, and the sizes they were
+    planned at (``nominal``: symbol -> size)."""
+
+    rows: list[Row]
+    table: shapes.Symbols
+    nominal: dict[int, int]
+    fixed: frozenset = frozenset()          # symbols planned at a set size (a batch), not the growing one
+
+    @property
+    def degree(self) -> int:
+        """How fast a row grows with the run-time sizes the plan let grow (a length, not a batch): the
+        largest power among the rows.  A loop over a padded batch's queries holds [B, c, L] scores,
+        degree 1; one over its examples [c, L, L], degree 2: its chunk runs out first as L grows."""
+        return max((sum(e for k, e in row.powers if k not in self.fixed) + row.unknown for row in self.rows),
+                   default=0)
+
+    def _ratios(self) -> dict[int, tf.Tensor]:
+        return {k: tf.cast(self.table.run_size(k), tf.float64) / float(n) for k, n in self.nominal.items()}
+
+    def chunk(self, planned: int, length, least: int = 1) -> tf.Tensor:
+        """``planned`` rows scaled to the run's sizes, within ``[least, max(length, least)]``."""
+        ratios = self._ratios()
+        fastest = tf.reduce_max(tf.stack(list(ratios.values()))) if ratios else tf.constant(1.0, tf.float64)
+        growth = []
+        for row in self.rows:
+            g = tf.constant(1.0, tf.float64)
+            for k, e in row.powers:
+                g *= ratios[k] ** e
+            growth.append(g * fastest ** row.unknown)
+        largest = tf.reduce_max(tf.stack(growth)) if growth else tf.constant(1.0, tf.float64)
+        size = tf.floor(float(planned) / tf.maximum(largest, 1e-9))
+        most = tf.cast(tf.maximum(tf.cast(length, tf.int32), least), tf.float64)
+        return tf.cast(tf.clip_by_value(size, float(least), most), tf.int32)
+
+    def dims(self, t: tf.Tensor, unit_axes: Sequence[int] = ()) -> tf.Tensor | None:
+        """``t``'s shape when the function runs (size 1 along ``unit_axes``), or ``None`` where a
+        dimension is not a product of the run-time sizes."""
+        known = self.table.names.get(t.name)
+        if known is None:
+            return None
+        out = []
+        for i, (d, m) in enumerate(zip(t.shape.as_list(), known)):
+            if i in unit_axes or d is not None:
+                out.append(tf.constant(1 if i in unit_axes else d, tf.int32))
+                continue
+            if m is None:
+                return None
+            coefficient, powers = m
+            size = tf.constant(coefficient, tf.int32)
+            for k, e in powers:
+                size *= self.table.run_size(k) ** e
+            out.append(size)
+        return tf.stack(out) if out else tf.zeros([0], tf.int32)
+
+
+def _powers(monomials) -> tuple[dict[int, int], int]:
+    powers: dict[int, int] = {}
+    unknown = 0
+    for m in monomials:
+        if m is None:
+            unknown += 1
+            continue
+        for k, e in m[1]:
+            powers[k] = powers.get(k, 0) + e
+    return powers, unknown
+
+
+def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool) -> Scaling | None:
+    """The :class:`Scaling` of a region whose slices compute ``tensors``, split along an axis whose
+    length is ``axis_monomial`` (``None``: static), under the nominal sizes in effect; ``None`` where
+    they have no table (:func:`grappler_ext.shapes.symbolic`)."""
+    state = shapes.symbolic()
+    if state is None:
+        return None
+    table, size, values = state
+    split, _ = _powers([axis_monomial]) if axis_monomial is not None else ({}, 0)
+    rows = []
+    for t in tensors:
+        known = table.names.get(t.name)
+        if known is None:
+            rows.append(Row((), max(0, len(shapes.dynamic_axes(t)) - int(dynamic))))
+            continue
+        powers, unknown = _powers(known)
+        for k, e in split.items():
+            powers[k] = max(0, powers.get(k, 0) - e)
+        rows.append(Row(tuple(sorted((k, e) for k, e in powers.items() if e)), unknown))
+    used = {k for row in rows for k, _ in row.powers}
+    if any(row.unknown for row in rows):
+        used |= set(table.sources)
+    nominal = {k: values.get(k, size) for k in sorted(used) if k in table.sources}
+    return Scaling(rows, table, nominal, frozenset(values))
