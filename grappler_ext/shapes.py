@@ -96,12 +96,40 @@ def _monomial(d: int, count: int) -> Monomial | None:
     return (d, tuple(powers))
 
 
+def _as_gather(graph_def, node, op: tf.Operation) -> None:
+    """``node`` (a ``ResourceGather`` of ``op``'s) made a ``GatherV2`` from a placeholder holding its
+    rows' shape: the copy's handles lose their variables' shapes, a gather's rows do not."""
+    rows = op.outputs[0].shape[op.inputs[1].shape.rank:] if op.inputs[1].shape.rank is not None else None
+    if rows is None or not rows.is_fully_defined():
+        return
+    params = graph_def.node.add(name=f"{node.name}/_rows", op="Placeholder")
+    params.attr["dtype"].type = node.attr["dtype"].type
+    params.attr["shape"].shape.CopyFrom(tf.TensorShape([1]).concatenate(rows).as_proto())
+    axis = graph_def.node.add(name=f"{node.name}/_axis", op="Const")
+    axis.attr["dtype"].type = tf.int32.as_datatype_enum
+    axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, tf.int32))
+    indices, controls = node.input[1], [i for i in node.input if i.startswith("^")]
+    tindices = node.attr["Tindices"].type
+    node.op = "GatherV2"
+    del node.input[:]
+    node.input.extend([params.name, indices, axis.name] + controls)
+    node.attr.clear()
+    node.attr["Tparams"].type = params.attr["dtype"].type
+    node.attr["Tindices"].type = tindices
+    node.attr["Taxis"].type = tf.int32.as_datatype_enum
+    node.attr["batch_dims"].i = 0
+
+
 def _inferred(graph, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | None:
     """A copy of ``graph`` with each input's unknown axis set to its symbol's prime, its shapes
     inferred by TensorFlow; ``None`` where the inference rejects them."""
     names = {t.op.name: t for t in inputs}
     graph_def = graph.as_graph_def()
-    for node in graph_def.node:
+    for node in list(graph_def.node):
+        if node.op == "ResourceGather" and not node.attr["batch_dims"].i:
+            # An embedding lookup (tf_keras') as a gather from a placeholder of the table's row shape.
+            _as_gather(graph_def, node, graph.get_operation_by_name(node.name))
+            continue
         if node.op == "ReadVariableOp":
             # A variable's value as its read has it (the copy's handles lose their shapes): a placeholder.
             value = graph.get_operation_by_name(node.name).outputs[0]
@@ -150,8 +178,9 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
             return None
     count = max(symbol_of.values()) + 1
     table: dict = {}
+    originals = {op.name: op for op in graph.get_operations()}
     for op in copy.get_operations():
-        original = graph.get_operation_by_name(op.name) if op.name else None
+        original = originals.get(op.name)
         for o, t in zip(op.outputs, original.outputs if original is not None else ()):
             if t.shape.rank is None or t.shape.is_fully_defined() or o.shape.rank != t.shape.rank:
                 continue

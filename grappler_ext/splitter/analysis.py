@@ -304,7 +304,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
         first, axis = next(iter(sliced_inputs.items()), (None, None))
         length = (shapes.dims(first.deref())[axis] if first is not None and first not in factors
                   else shapes.nominal_size())
-    scaled = _scaling(options, included - roots, sliced_inputs, factors, dynamic)
+    scaled = _scaling(options, included - roots, sliced_inputs, whole, factors, dynamic)
     if isinstance(scaled, Why):
         return scaled
     if len(options) > 1:
@@ -329,7 +329,7 @@ def _size(dim) -> str:
     return "unknown until run time" if dim is None else str(dim)
 
 
-def _scaling(options, ops, sliced_inputs: dict, factors: dict, dynamic: bool):
+def _scaling(options, ops, sliced_inputs: dict, whole: set, factors: dict, dynamic: bool):
     """:attr:`Region.scaled` of a region of ``ops``: ``None`` where no tensor a slice computes has a
     dimension besides the split axis known only at run time (and outside planning at nominal
     sizes); else how its rows grow with the run's sizes (:mod:`.scaling`), or why it cannot say."""
@@ -350,7 +350,9 @@ def _scaling(options, ops, sliced_inputs: dict, factors: dict, dynamic: bool):
             if not t.shape.is_fully_defined() and state[0].names.get(t.name) is None:
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dimensions known only at run time that are not "
                                               "products of the function's input sizes")
-    return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], known[axis] if dynamic else None, dynamic)
+    held = [ref.deref() for ref in list(sliced_inputs) + list(whole)] + [t for o in options for t in o.root.outputs]
+    return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], known[axis] if dynamic else None, dynamic,
+                      [t for t in held if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None])
 
 
 def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Why | None:
@@ -389,7 +391,7 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
         if stray(ref.deref(), set()):
             t = ref.deref()
             return Why(Code.DYNAMIC_AXIS, f"`{t.name}` of dynamic shape {t.shape} is read whole by every slice")
-    sources = {length_source(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
+    sources = {_length_of(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
     if dynamic and len(sources) > 1:
         shown = ", ".join(sorted(f"`{name}` axis {a}" for name, a in sources)[:3])
         return Why(Code.DYNAMIC_AXIS, f"the sliced inputs' lengths are known only at run time and may differ "
@@ -398,6 +400,17 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
 
 
 _INPUT = "(the function's inputs)"
+
+
+def _length_of(t: tf.Tensor, axis: int):
+    """What ``t``'s ``axis`` is as long as: the product of the function's run-time sizes it is
+    (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s [B * L, E] rows and the [B * L]
+    labels it is compared with), else where its run-time length comes from (:func:`length_source`)."""
+    state = shapes.symbolic()
+    known = state[0].names.get(t.name) if state is not None else None
+    if known is not None and known[axis] is not None:
+        return ("product", known[axis])
+    return length_source(t, axis)
 
 
 def length_source(t: tf.Tensor, axis: int, depth: int = 256) -> tuple[str, int]:

@@ -590,6 +590,8 @@ class _Region:
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
+        if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
+            grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, per_unit)
         try:
             with graph_edit.building(graph, run.name):
                 if draws:

@@ -252,7 +252,10 @@ def _scaled(region: Region, length, chunks: Sequence[int], specs):
     if region.scaled is None:
         return list(chunks), specs
     specs = [s.bound(region.scaled.dims(s.source, s.unit_axes)) if isinstance(s, RunSpec) else s for s in specs]
-    return [region.scaled.chunk(c, length, region.least_chunk) for c in chunks], specs
+    chunk = region.scaled.chunk(chunks[0], length, region.least_chunk)
+    # (the gradient's chunk as much smaller than the forward's as it was planned)
+    scaled = [chunk] + [tf.maximum(chunk * c // chunks[0], region.least_chunk) for c in chunks[1:]]
+    return scaled, specs
 
 
 def _extent(region: Region, length, chunk: int):

@@ -15,6 +15,15 @@ holds more than it was planned to, at any sizes, down to ``least`` rows (one row
 k): past that, a slice of one row is over its budget, and the loop runs as well as it can.  A
 dimension that is not such a product (``L - 1``) grows as the fastest of the run-time sizes.
 
+Where the plan's figures are given (:meth:`Scaling.room`: the budget, what the program holds
+beside the loop, and a row's bytes, all at the nominal sizes), the chunk is at most the room the
+run's sizes leave, what is held beside the loop grown as the largest of the region's inputs and
+results:
+
+    chunk = min(the above, floor((budget - fixed * growth_fixed) / (per_row * growth)))
+
+so that a longer run than planned shrinks the loop for its larger inputs too.
+
 The same sizes give the loop's accumulators their shapes (``[B, E]`` for a sum over the length):
 :meth:`Scaling.dims`.
 """
@@ -49,6 +58,12 @@ class Scaling:
     table: shapes.Symbols
     nominal: dict[int, int]
     fixed: frozenset = frozenset()          # symbols planned at a set size (a batch), not the growing one
+    held: list[Row] = dataclasses.field(default_factory=list)    # the inputs' and results' elements
+    plan: tuple[float, float, float] | None = None                # (budget, beside the loop, a row's bytes)
+
+    def room(self, budget: float, beside: float, per_row: float) -> None:
+        """Size the chunk from the plan's figures at the nominal sizes (see the module docstring)."""
+        self.plan = (float(budget), max(float(beside), 0.0), float(per_row)) if per_row > 0 else None
 
     @property
     def degree(self) -> int:
@@ -64,17 +79,25 @@ class Scaling:
     def chunk(self, planned: int, length, least: int = 1) -> tf.Tensor:
         """``planned`` rows scaled to the run's sizes, within ``[least, max(length, least)]``."""
         ratios = self._ratios()
+        largest = self._growth(self.rows, ratios)
+        size = tf.floor(float(planned) / tf.maximum(largest, 1e-9))
+        if self.plan is not None:
+            budget, beside, per_row = self.plan
+            room = budget - beside * tf.maximum(self._growth(self.held, ratios), 1.0 if not self.held else 0.0)
+            size = tf.minimum(size, tf.floor(room / (per_row * tf.maximum(largest, 1e-9))))
+        most = tf.cast(tf.maximum(tf.cast(length, tf.int32), least), tf.float64)
+        return tf.cast(tf.clip_by_value(size, float(least), most), tf.int32)
+
+    @staticmethod
+    def _growth(rows: list[Row], ratios: dict) -> tf.Tensor:
         fastest = tf.reduce_max(tf.stack(list(ratios.values()))) if ratios else tf.constant(1.0, tf.float64)
         growth = []
-        for row in self.rows:
+        for row in rows:
             g = tf.constant(1.0, tf.float64)
             for k, e in row.powers:
                 g *= ratios[k] ** e
             growth.append(g * fastest ** row.unknown)
-        largest = tf.reduce_max(tf.stack(growth)) if growth else tf.constant(1.0, tf.float64)
-        size = tf.floor(float(planned) / tf.maximum(largest, 1e-9))
-        most = tf.cast(tf.maximum(tf.cast(length, tf.int32), least), tf.float64)
-        return tf.cast(tf.clip_by_value(size, float(least), most), tf.int32)
+        return tf.reduce_max(tf.stack(growth)) if growth else tf.constant(1.0, tf.float64)
 
     def dims(self, t: tf.Tensor, unit_axes: Sequence[int] = ()) -> tf.Tensor | None:
         """``t``'s shape when the function runs (size 1 along ``unit_axes``), or ``None`` where a
@@ -109,15 +132,7 @@ def _powers(monomials) -> tuple[dict[int, int], int]:
     return powers, unknown
 
 
-def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool) -> Scaling | None:
-    """The :class:`Scaling` of a region whose slices compute ``tensors``, split along an axis whose
-    length is ``axis_monomial`` (``None``: static), under the nominal sizes in effect; ``None`` where
-    they have no table (:func:`grappler_ext.shapes.symbolic`)."""
-    state = shapes.symbolic()
-    if state is None:
-        return None
-    table, size, values = state
-    split, _ = _powers([axis_monomial]) if axis_monomial is not None else ({}, 0)
+def _rows(tensors, table, split: dict, dynamic: bool) -> list[Row]:
     rows = []
     for t in tensors:
         known = table.names.get(t.name)
@@ -128,8 +143,23 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool) -> Scaling | 
         for k, e in split.items():
             powers[k] = max(0, powers.get(k, 0) - e)
         rows.append(Row(tuple(sorted((k, e) for k, e in powers.items() if e)), unknown))
-    used = {k for row in rows for k, _ in row.powers}
-    if any(row.unknown for row in rows):
+    return rows
+
+
+def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequence[tf.Tensor] = ()) -> Scaling | None:
+    """The :class:`Scaling` of a region whose slices compute ``tensors``, split along an axis whose
+    length is ``axis_monomial`` (``None``: static), beside ``held`` (its inputs and results, whole),
+    under the nominal sizes in effect; ``None`` where they have no table
+    (:func:`grappler_ext.shapes.symbolic`)."""
+    state = shapes.symbolic()
+    if state is None:
+        return None
+    table, size, values = state
+    split, _ = _powers([axis_monomial]) if axis_monomial is not None else ({}, 0)
+    rows = _rows(tensors, table, split, dynamic)
+    whole = _rows([t for t in held if shapes.dynamic_axes(t)], table, {}, False)
+    used = {k for row in rows + whole for k, _ in row.powers}
+    if any(row.unknown for row in rows + whole):
         used |= set(table.sources)
     nominal = {k: values.get(k, size) for k in sorted(used) if k in table.sources}
-    return Scaling(rows, table, nominal, frozenset(values))
+    return Scaling(rows, table, nominal, frozenset(values), whole)

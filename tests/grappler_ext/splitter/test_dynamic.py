@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
-from grappler_ext.splitter import analysis, nominal
+from grappler_ext.splitter import analysis, nominal, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
 
 rng = np.random.RandomState(0)
@@ -342,3 +342,68 @@ def test_nominal_size_where_what_grows_is_over_times_the_limit():
     assert size * size <= 2 * 4 * 10**6 + 1 < (2 * size) ** 2
     assert nominal.nominal_size(nominal.Growth(5, 0.0), lambda n: 5, 100, 4) is None
     assert nominal.growth(lambda n: None) is None
+
+
+def _graph_of(fn, *specs):
+    return tf.function(fn).get_concrete_function(*specs).graph
+
+
+def test_symbols_read_dimensions_as_products_of_the_run_time_sizes():
+    table_var = tf.Variable(np.ones((50, 16), np.float32))
+
+    def fn(x, y, tokens):
+        scores = tf.einsum("bqe,bke->bqk", x, x)                      # [B, L, L]
+        rows = tf.reshape(x, [-1, 16])                                 # [B * L, 16]
+        shifted = x[:, :-1]                                            # [B, L - 1, 16]
+        looked_up = tf.nn.embedding_lookup(table_var, tokens)          # ResourceGather: [T, U, 16]
+        return scores, rows, shifted, looked_up, y * 2.0
+    g = _graph_of(fn, tf.TensorSpec([None, None, 16]), tf.TensorSpec([None]), tf.TensorSpec([None, None], tf.int32))
+    table = shapes.symbols(g, nominal.dynamic_inputs(g))
+    by_op = {op.type: op.outputs[0].name for op in g.get_operations() if op.outputs}
+    # x's axes are symbols 0 and 1; y's and tokens' their own (nothing ties them to x's).
+    assert table.names["x:0"] == ((1, ((0, 1),)), (1, ((1, 1),)), (16, ()))
+    assert table.names[by_op["Einsum"]] == ((1, ((0, 1),)), (1, ((1, 1),)), (1, ((1, 1),)))
+    assert table.names[by_op["Reshape"]] == ((1, ((0, 1), (1, 1))), (16, ()))
+    assert table.names[by_op["StridedSlice"]][1] is None                 # L - 1: not a product
+    assert table.names[by_op["ResourceGather"]] == ((1, ((3, 1),)), (1, ((4, 1),)), (16, ()))
+    assert [table.axis(k) for k in range(table.count)] == [0, 1, 0, 0, 1]
+    with shapes.nominal(512, table, {0: 8}):
+        assert shapes.dims(g.get_tensor_by_name(by_op["Einsum"])) == [8, 512, 512]
+        assert shapes.dims(g.get_tensor_by_name(by_op["Reshape"])) == [8 * 512, 16]
+        assert shapes.dims(g.get_tensor_by_name(by_op["StridedSlice"])) == [8, 512, 16]
+    # Sizes the program requires equal (x's batch and y's, added): one symbol per axis instead.
+    tied = _graph_of(lambda x, y: x[:, 0, 0] + y, tf.TensorSpec([None, None, 16]), tf.TensorSpec([None]))
+    table = shapes.symbols(tied, nominal.dynamic_inputs(tied))
+    assert table.count == 2 and table.names["y:0"] == ((1, ((0, 1),)),)
+    assert shapes.symbols(tied, []) is None
+
+
+def _run_chunk(scaled, planned, least, shape):
+    """``scaled(x)``'s chunk for ``planned`` rows, compiled for an input of ``shape`` [B, L, 4]."""
+    @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, None, 4])])
+    def chunk(x):
+        return scaled(x).chunk(planned, tf.shape(x)[1], least)
+    return int(chunk(tf.zeros(shape)))
+
+
+def test_a_scaled_chunk_follows_the_run_time_sizes():
+    """A row of B * L elements planned at B = 8, L = 256: the chunk divided by its growth, within
+    [least, L]; with the plan's figures, also within the room left beside what grows with L."""
+    def scaled(x, room=None):
+        table = shapes.Symbols({}, 2, {0: [(x, 0)], 1: [(x, 1)]})
+        s = scaling.Scaling([scaling.Row(((0, 1), (1, 1)))], table, {0: 8, 1: 256}, frozenset({0}),
+                            [scaling.Row(((1, 1),))])
+        if room:
+            s.room(*room)
+        return s
+    assert _run_chunk(scaled, 64, 1, (8, 256, 4)) == 64
+    assert _run_chunk(scaled, 64, 1, (4, 512, 4)) == 64              # B / 2, L * 2
+    assert _run_chunk(scaled, 64, 1, (16, 1024, 4)) == 8             # 8x the elements a row
+    assert _run_chunk(scaled, 64, 2, (64, 4096, 4)) == 2             # 128x: at least `least`
+    assert _run_chunk(scaled, 64, 1, (1, 8, 4)) == 8                 # at most the length
+    # budget 1000, 200 beside the loop (growing with L), 10 a row: the room at L = 512 is 600.
+    planned = lambda x: scaled(x, (1000, 200, 10))                   # noqa: E731
+    assert _run_chunk(planned, 64, 1, (8, 256, 4)) == 64
+    assert _run_chunk(planned, 64, 1, (8, 512, 4)) == 30             # min(64 / 2, 600 / (10 * 2))
+    row = scaling.Scaling([scaling.Row((), 1)], shapes.Symbols({}, 1, {}), {})
+    assert row.degree == 1 and scaled(tf.zeros([1, 1, 4])).degree == 1   # the batch's power not counted
