@@ -143,6 +143,8 @@ module              what it holds
 ``slicing``         a slice along an axis, and slices joined back
 ``rules``           how a split axis passes through each op type (the rule table)
 ``chunk_plan``      the largest chunk under a budget (pure)
+``nominal``         the sizes a program with run-time dimensions is planned at
+``scaling``         a loop's chunk scaled to the run-time sizes (a padded batch's), resolved by XLA
 ``outcome``         record codes (``Code``) and the frozen ``LoopPlan`` of each loop
 ==================  ==========================================================================
 """

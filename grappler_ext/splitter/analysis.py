@@ -360,10 +360,10 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
 
     Planned at a nominal size (:mod:`grappler_ext.shapes`), every dimension may be one: a loop
     along the split axis takes its length from the sliced inputs' shapes when it runs, and its
-    chunk is scaled to the run's other sizes (:mod:`.scaling`).  Outside such
-    planning only the split axis may be one.  The sliced inputs' lengths must be one length -- the
-    same tensor, or tensors carrying the axis from the function's inputs (a batch of features and
-    its labels), or from one tensor, through ops that keep it.
+    chunk is scaled to the run's other sizes (:mod:`.scaling`).  Outside such planning only the
+    split axis may be one.  The sliced inputs' lengths must be one length -- one product of the
+    function's run-time sizes, the same tensor, or tensors carrying the axis from the function's
+    inputs (a batch of features and its labels), or from one tensor, through ops that keep it.
     """
     scaled = shapes.nominal_size() is not None
 
@@ -416,9 +416,9 @@ def _length_of(t: tf.Tensor, axis: int):
 def length_source(t: tf.Tensor, axis: int, depth: int = 256) -> tuple[str, int]:
     """Where the run-time length of ``t``'s ``axis`` comes from: ``(_INPUT, axis)`` for the function's
     inputs (their unknown dimensions at one axis are taken as one: a batch's features and labels, a
-    padded batch's lengths), else the
-    tensor and axis the ops keeping it lead back to (an op that keeps it is one whose split rule
-    reads exactly one input along a dynamic axis, or several with one source)."""
+    padded batch's lengths), else the tensor and axis the ops keeping it lead back to (an op that
+    keeps it is one whose split rule reads exactly one input along a dynamic axis, or several with
+    one source)."""
     for _ in range(depth):
         if t.op.type in ("Placeholder", "PlaceholderWithDefault") and not t.op.inputs:
             return (_INPUT, axis)

@@ -114,8 +114,7 @@ def _root_part(option, plan: ChunkPlan, region: Region):
         combiner = combiners.TopK(int(tensor_util.constant_value(root.inputs[1])))
         specs = [_spec_of(o) for o in root.outputs]
     else:
-        combiner = (combiners.combiner_for_reduction(root.type, plan.length, plan.chunk,
-                                                     plan.tail if isinstance(plan.chunk, int) else 0)
+        combiner = (combiners.combiner_for_reduction(root.type, plan.length, plan.chunk, plan.tail)
                     if root.type in combiners.REDUCTION_COMBINERS else combiners.Sum())
         specs = [_spec_of(o) for o in root.outputs]
     if not combiner.differentiable and any(o.dtype.is_floating for o in root.outputs):

@@ -75,7 +75,10 @@ class Nominal:
 
     def __init__(self, graph):
         self.graph = graph
-        self.table = shapes.symbols(graph, dynamic_inputs(graph))
+        try:
+            self.table = shapes.symbols(graph, dynamic_inputs(graph))
+        except Exception:  # noqa: BLE001 - a graph the copy cannot be made of: one nominal size for all
+            self.table = None
         used = {k for dims in (self.table.names.values() if self.table else ()) for m in dims if m for k, _ in m[1]}
         batch = {k for k in used if self.table.axis(k) == 0}
         self.batch = frozenset(batch) if batch and used - batch else frozenset()

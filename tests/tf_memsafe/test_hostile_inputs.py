@@ -175,16 +175,33 @@ def test_nan_and_inf_inputs_give_what_the_unsplit_program_gives():
 
 
 def test_dynamic_shapes_warn_naming_them_and_what_to_do():
-    """Two dimensions known only at run time in the distance matrix: nothing can be planned."""
+    """An input of unknown rank beside a run-time size: nothing can be planned."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tf_memsafe.enable("8MB")
         mark = hook.report_mark()
-        tf.function(knn, jit_compile=True).get_concrete_function(tf.TensorSpec([None, 3]), tf.TensorSpec([None, 3]))
+        tf.function(knn, jit_compile=True).get_concrete_function(tf.TensorSpec(None), tf.TensorSpec([None, 3]))
     said = ours(caught)
     assert len(said) == 1 and "dynamic shapes" in said[0] and "input_signature" in said[0], said
-    assert "`x:0` dimension 0 of [?, 3], `y:0` dimension 0 of [?, 3]" in said[0], said
+    assert "`x:0` of unknown rank, `y:0` dimension 0 of [?, 3]" in said[0], said
     assert [r.code for r in splitter_records(mark)] == [Code.DYNAMIC_SHAPES]
+
+
+def test_two_run_time_sizes_are_split_and_exact():
+    """Queries and points of sizes both known only at run time: split (the loop's chunk scaled to the
+    sizes of each run), nothing said, equal to the unsplit function at sizes on both sides."""
+    tf_memsafe.enable("8MB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mark = hook.report_mark()
+        f = tf.function(knn, jit_compile=True, input_signature=[tf.TensorSpec([None, 3])] * 2)
+        f.get_concrete_function()
+    assert ours(caught) == []
+    assert Code.SPLIT in [r.code for r in splitter_records(mark)]
+    naive = tf.function(knn, jit_compile=True)
+    for n, m in ((3, 10), (4500, 4000), (100, 6000)):
+        x, y = (tf.constant(RNG.standard_normal((k, 3)).astype("float32")) for k in (n, m))
+        np.testing.assert_array_equal(f(x, y).numpy(), naive(x, y).numpy())
 
 
 def test_a_dynamic_dimension_is_split_and_exact_at_every_size():
