@@ -38,8 +38,8 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-__all__ = ["Symbols", "symbols", "nominal", "same_as", "symbolic", "nominal_size", "nominal_key", "dims", "is_static",
-           "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
+__all__ = ["Symbols", "symbols", "nominal", "same_as", "symbolic", "nominal_size", "nominal_key",
+           "dims", "is_static", "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
 # product of the run-time sizes: L - 1, or unknown to the inference).
@@ -177,6 +177,15 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
         if copy is None:
             return None
     count = max(symbol_of.values()) + 1
+    by_name = {t.name: t for t in inputs}
+    sources: dict = {}
+    for (name, a), k in symbol_of.items():
+        sources.setdefault(k, []).append((by_name[name], a))
+    return Symbols(_read(graph, copy, count), count, sources)
+
+
+def _read(graph, copy: tf.Graph, count: int) -> dict:
+    """The monomials of ``graph``'s tensors of run-time sizes, from ``copy`` (its inferred twin)."""
     table: dict = {}
     originals = {op.name: op for op in graph.get_operations()}
     for op in copy.get_operations():
@@ -186,11 +195,7 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
                 continue
             table[t.name] = tuple(None if d is None else (d, ()) if s is not None else _monomial(d, count)
                                   for d, s in zip(o.shape.as_list(), t.shape.as_list()))
-    by_name = {t.name: t for t in inputs}
-    sources: dict = {}
-    for (name, a), k in symbol_of.items():
-        sources.setdefault(k, []).append((by_name[name], a))
-    return Symbols(table, count, sources)
+    return table
 
 
 _NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)

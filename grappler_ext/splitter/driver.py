@@ -485,15 +485,15 @@ class _Run:
     def _warn_cannot_fit(self, est, worst, needed, after, limit, result) -> None:
         """XLA's figure has the last word; if it is over too (or unknown), one warning (pending until
         the run ends): what the program needs, the limit, and the record that could not be helped."""
-        # The model's count of a program this far from it is the least sure (a Transformer's
-        # training step at L = 16384: 4.7 GB as split by the model, 1.9 GB by XLA).
+        # The model's count of a program this far from it is the least sure (a Transformer's training
+        # step at L = 16384: 4.7 GB by the model, 1.9 GB by XLA; at nominal sizes, none: not shown).
         if self._said_within(after, figure := self.figure(), result):
             return
         how = "needs about" if est.peak_bytes is not None else "needs at least"
         scaled = ("" if limit == self.limit else
                   f" (the limit of {_mb(self.limit)} scaled to the model's count by XLA's figure)")
         xla = f"{_mb(figure.bytes)} by XLA's figure" if figure.known else ""
-        then = f" ({_mb(after)} as split{', ' + xla if xla else ''})" if after is not None else (
+        then = f" ({_mb(after)} as split{', ' + xla if xla else ''})" if after is not None and not self.growth else (
             f" ({xla} as split)" if xla else "")
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
                 else f"the splitter could only reduce it: {worst.reason}")
