@@ -1,0 +1,21 @@
+"""Smoke run of experiments/padded.py at its --quick size (nothing timed is asserted)."""
+
+import json
+
+from experiments import padded, report
+
+
+def test_quick_run_is_split_within_the_limit_with_the_naive_losses(tmp_path):
+    padded.main(["--quick", "--out", str(tmp_path)])
+    with open(tmp_path / "padded.json", encoding="utf-8") as f:
+        results = json.load(f)
+    rows = results["rows"]
+    assert results["quick"] and results["limit_bytes"] == padded.QUICK_LIMIT
+    assert {(r["keras"], r["method"]) for r in rows} == {(k, m) for k in ("keras3", "tf_keras")
+                                                         for m in ("naive", "tf_memsafe")}
+    for r in rows:
+        if r["method"] == "naive":
+            assert not r["within_limit"] and not r["split"], r
+        else:
+            assert r["within_limit"] and r["split"] and r["loss_rel_diff"] < 1e-5, r
+    assert any("| keras3 | 256 | tf_memsafe |" in line for line in report.padded_lines(results))
