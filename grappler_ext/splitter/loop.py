@@ -254,7 +254,8 @@ def _scaled(region: Region, length, chunks: Sequence[int], specs):
     specs = [s.bound(region.scaled.dims(s.source, s.unit_axes)) if isinstance(s, RunSpec) else s for s in specs]
     chunk = region.scaled.chunk(chunks[0], length, region.least_chunk)
     # (the gradient's chunk as much smaller than the forward's as it was planned)
-    scaled = [chunk] + [tf.maximum(chunk * c // chunks[0], region.least_chunk) for c in chunks[1:]]
+    scaled = [chunk] + [tf.maximum(tf.cast(tf.floor(tf.cast(chunk, tf.float64) * (c / chunks[0])), tf.int32),
+                                   region.least_chunk) for c in chunks[1:]]
     return scaled, specs
 
 
