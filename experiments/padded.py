@@ -62,12 +62,13 @@ def _keras(version: str):
     return keras
 
 
-def _model(keras):
+def attention_classifier(keras, vocab: int = VOCAB):
+    """The experiment's model, compiled (``tests/integration/test_padded_batches.py`` trains it too)."""
     keras.utils.set_random_seed(0)
     tokens = keras.Input([None], dtype="int32")
-    x = keras.layers.Embedding(VOCAB, D)(tokens)
+    x = keras.layers.Embedding(vocab, D)(tokens)
     x = keras.layers.LayerNormalization()(x + keras.layers.MultiHeadAttention(HEADS, D // HEADS)(x, x))
-    model = keras.Model(tokens, keras.layers.Dense(VOCAB)(keras.layers.GlobalAveragePooling1D()(x)))
+    model = keras.Model(tokens, keras.layers.Dense(vocab)(keras.layers.GlobalAveragePooling1D()(x)))
     model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -102,7 +103,7 @@ class _StepTimes:
 
 def _fit(version: str, length: int, limit: int | None) -> tuple:
     keras = _keras(version)
-    model, data = _model(keras), _data(length)
+    model, data = attention_classifier(keras), _data(length)
     mark = hook.report_mark()
     if limit is not None:
         tf_memsafe.enable(limit)

@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from experiments.padded import attention_classifier
 from grappler_ext.splitter.outcome import Code
 from tests.integration.keras_fit import fit_under, keras_of
 from tf_memsafe import hook, xla_flags
@@ -76,13 +77,7 @@ def test_an_attention_layer_on_padded_batches_keeps_its_limit_at_every_shape(ver
 def _fit(keras, limit):
     """One epoch of ``fit(jit_compile=True)`` on padded batches of 3 (lengths 128 to 512): losses,
     splitter records, warnings, and XLA's largest figure among the programs compiled."""
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input([None], dtype="int32")
-    x = keras.layers.Embedding(VOCAB, D)(tokens)
-    x = keras.layers.LayerNormalization()(x + keras.layers.MultiHeadAttention(HEADS, D // HEADS)(x, x))
-    model = keras.Model(tokens, keras.layers.Dense(VOCAB)(keras.layers.GlobalAveragePooling1D()(x)))
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = attention_classifier(keras, VOCAB)         # (experiments/padded.py's model)
     rng = np.random.default_rng(0)
     sequences = [rng.integers(1, VOCAB, n) for n in (300, 512, 420, 512, 128, 512, 512, 200)]
     data = tf.data.Dataset.from_generator(
