@@ -402,6 +402,16 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
 _INPUT = "(the function's inputs)"
 
 
+def creates_variables(graph) -> bool:
+    """Whether ``graph`` is the trace that creates its function's variables (a Keras optimizer's slots
+    at the first step): TensorFlow initializes each under ``cond(VarIsInitializedOp(v), ...)``, then
+    runs the lifted initializers and traces the function again without them, and runs that trace
+    (checked on TF 2.21 with Keras 3's ``fit``: ``initialize_variables``, then the step traced again,
+    which every batch runs).  Nothing said about it would be about a program that runs."""
+    return any(c.type in ("If", "StatelessIf") and c.inputs[0] is op.outputs[0]
+               for op in graph.get_operations() if op.type == "VarIsInitializedOp" for c in op.outputs[0].consumers())
+
+
 def _length_of(t: tf.Tensor, axis: int):
     """What ``t``'s ``axis`` is as long as: the product of the function's run-time sizes it is
     (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s [B * L, E] rows and the [B * L]

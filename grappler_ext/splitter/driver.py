@@ -169,8 +169,8 @@ class _Run:
                 result.skip([], f"{shown}: left alone, within the limit by XLA's figure ({figure.bytes:,} B)"
                             if figure.known else f"{shown}: left alone{figure.note()}; give the tf.function an "
                             "input_signature with static shapes to split it", code=Code.DYNAMIC_SHAPES)
-                if not figure.known:
-                    # Neither the model nor XLA can size it before it runs: the user is told, once a trace.
+                if not figure.known and not analysis.creates_variables(self.graph):
+                    # Neither can size it before it runs: the user is told, once a trace that will run.
                     self.pending.append(
                         f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
                         f"{_mb(limit)} before it runs, and nothing in it is split"
