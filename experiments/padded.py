@@ -31,6 +31,7 @@ import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
+from experiments.transformer.model import keras_module
 from tf_memsafe import hook, xla_flags
 
 D, HEADS, VOCAB, BATCH = 64, 4, 100, 4
@@ -52,14 +53,6 @@ class Row:
     median_step_s: float      # the second epoch's steps (all compiled)
     rewrite_s: float          # tf_memsafe's passes on the step's traces (0 for naive)
     split: bool               # whether a loop was built in the step
-
-
-def _keras(version: str):
-    if version == "keras3":
-        import keras
-    else:
-        import tf_keras as keras
-    return keras
 
 
 def attention_classifier(keras, vocab: int = VOCAB):
@@ -102,7 +95,7 @@ class _StepTimes:
 
 
 def _fit(version: str, length: int, limit: int | None) -> tuple:
-    keras = _keras(version)
+    keras = keras_module(3 if version == "keras3" else 2)
     model, data = attention_classifier(keras), _data(length)
     mark = hook.report_mark()
     if limit is not None:

@@ -18,7 +18,7 @@ sizes set to distinct primes.  Under ``nominal(size, table, values)`` a tensor t
 has its dimensions evaluated at ``values`` (a batch at 8, a length at ``size``); the others, and
 every tensor without a table, read ``size``:
 
-    table = shapes.symbols(graph)
+    table = shapes.symbols(graph, inputs)       # inputs: the function's, with unknown dimensions
     with shapes.nominal(2048, table, {0: 8}):
         shapes.dims(scores)     # [8, 4, 2048, 2048] for scores of shape [?, 4, ?, ?]
 
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-__all__ = ["Symbols", "symbols", "nominal", "same_as", "symbolic", "nominal_size", "nominal_key",
+__all__ = ["Symbols", "symbols", "nominal", "same_as", "monomials", "symbolic", "nominal_size", "nominal_key",
            "dims", "is_static", "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
@@ -73,6 +73,10 @@ class Symbols:
         """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles)."""
         sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
         return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
+
+    def run_value(self, m: Monomial) -> tf.Tensor:
+        """The dimension ``m`` is when the function runs (an int32 scalar XLA resolves)."""
+        return tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32)
 
     def same_as(self, new: tf.Tensor, old: tf.Tensor) -> None:
         """``new`` has ``old``'s shape (a loop's output in place of the region's root's)."""
@@ -120,18 +124,16 @@ def _as_gather(graph_def, node, op: tf.Operation) -> None:
     node.attr["batch_dims"].i = 0
 
 
-def _inferred(graph, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | None:
-    """A copy of ``graph`` with each input's unknown axis set to its symbol's prime, its shapes
-    inferred by TensorFlow; ``None`` where the inference rejects them."""
-    names = {t.op.name: t for t in inputs}
+def _shapes_only(graph):
+    """``graph``'s ``GraphDef`` with what the copy's inference cannot see through made explicit: the
+    copy's resource handles lose their variables' shapes, so a variable's read becomes a placeholder
+    of its value's shape, and an embedding lookup (tf_keras' ``ResourceGather``) a gather from a
+    placeholder of the table's row shape."""
     graph_def = graph.as_graph_def()
     for node in list(graph_def.node):
         if node.op == "ResourceGather" and not node.attr["batch_dims"].i:
-            # An embedding lookup (tf_keras') as a gather from a placeholder of the table's row shape.
             _as_gather(graph_def, node, graph.get_operation_by_name(node.name))
-            continue
-        if node.op == "ReadVariableOp":
-            # A variable's value as its read has it (the copy's handles lose their shapes): a placeholder.
+        elif node.op == "ReadVariableOp":
             value = graph.get_operation_by_name(node.name).outputs[0]
             node.op, inputs_of = "Placeholder", list(node.input)
             del node.input[:]
@@ -139,7 +141,16 @@ def _inferred(graph, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | Non
             node.attr.clear()
             node.attr["dtype"].type = value.dtype.as_datatype_enum
             node.attr["shape"].shape.CopyFrom(value.shape.as_proto())
-            continue
+    return graph_def
+
+
+def _inferred(prepared, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | None:
+    """A copy of the graph ``prepared`` (:func:`_shapes_only`) with each input's unknown axis set to
+    its symbol's prime, its shapes inferred by TensorFlow; ``None`` where the inference rejects them."""
+    names = {t.op.name: t for t in inputs}
+    graph_def = type(prepared)()
+    graph_def.CopyFrom(prepared)
+    for node in graph_def.node:
         t = names.get(node.name)
         if t is None or "shape" not in node.attr:
             continue
@@ -164,16 +175,16 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
     pairs = [(t.name, a) for t in inputs for a in dynamic_axes(t)]
     if not pairs:
         return None
-    copy, symbol_of = None, {}
+    copy, symbol_of, prepared = None, {}, _shapes_only(graph)
     if len(pairs) <= len(_PRIMES):                      # one symbol each, where the program allows it
         symbol_of = {pair: k for k, pair in enumerate(pairs)}
-        copy = _inferred(graph, inputs, symbol_of)
+        copy = _inferred(prepared, inputs, symbol_of)
     if copy is None:                                    # one per axis
         axes = sorted({a for _, a in pairs})
         if len(axes) > len(_PRIMES):
             return None
         symbol_of = {(name, a): axes.index(a) for name, a in pairs}
-        copy = _inferred(graph, inputs, symbol_of)
+        copy = _inferred(prepared, inputs, symbol_of)
         if copy is None:
             return None
     count = max(symbol_of.values()) + 1
@@ -224,6 +235,13 @@ def same_as(new: tf.Tensor, old: tf.Tensor) -> None:
         state[1].same_as(new, old)
 
 
+def monomials(t: tf.Tensor) -> tuple[Monomial | None, ...] | None:
+    """``t``'s dimensions as the table of the nominal sizes in effect reads them, or ``None`` (no
+    table, or ``t`` not in it)."""
+    state = _NOMINAL.get()
+    return state[1].names.get(t.name) if state is not None and state[1] is not None else None
+
+
 def symbolic() -> tuple[Symbols, int, dict[int, int]] | None:
     """``(table, size, values)`` of the nominal sizes in effect, where they have a table; else ``None``."""
     state = _NOMINAL.get()
@@ -245,13 +263,14 @@ def nominal_key() -> tuple | None:
     return (size, id(table), len(table.names) if table is not None else 0, tuple(sorted(values.items())))
 
 
-def _evaluate(m: Monomial | None, size: int, values: dict[int, int]) -> int | None:
+def _evaluate(m: Monomial | None, size_of):
+    """``m`` with each symbol ``k`` read as ``size_of(k)`` (an int, or a run-time tensor); ``None`` for ``None``."""
     if m is None:
         return None
     coefficient, powers = m
     out = coefficient
     for k, e in powers:
-        out *= values.get(k, size) ** e
+        out *= size_of(k) ** e
     return out
 
 
@@ -275,7 +294,7 @@ def dims(t: tf.Tensor) -> list[int | None] | None:
     out = []
     for i, d in enumerate(t.shape.as_list()):
         if d is None:
-            d = _evaluate(known[i], size, values) if known is not None else None
+            d = _evaluate(known[i], lambda k: values.get(k, size)) if known is not None else None
             d = size if d is None else d
         out.append(d)
     return out

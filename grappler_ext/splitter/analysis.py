@@ -301,9 +301,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     if why is not None:
         return why
     if dynamic:              # its nominal length (a padded batch's at its own nominal size)
-        first, axis = next(iter(sliced_inputs.items()), (None, None))
-        length = (shapes.dims(first.deref())[axis] if first is not None and first not in factors
-                  else shapes.nominal_size())
+        first, axis = _first_whole_axis(sliced_inputs, factors)
+        length = shapes.dims(first.deref())[axis] if first is not None else shapes.nominal_size()
     scaled = _scaling(options, included - roots, sliced_inputs, whole, factors, dynamic)
     if isinstance(scaled, Why):
         return scaled
@@ -339,20 +338,25 @@ def _scaling(options, ops, sliced_inputs: dict, whole: set, factors: dict, dynam
                if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and t.shape.rank is not None]
     if not any(len(shapes.dynamic_axes(t)) > int(dynamic) for t in tensors):
         return None
-    state = shapes.symbolic()
-    first, axis = next(((ref, a) for ref, a in sliced_inputs.items() if ref not in factors), (None, None))
-    known = state[0].names.get(first.deref().name) if state is not None and first is not None else None
+    first, axis = _first_whole_axis(sliced_inputs, factors)
+    known = shapes.monomials(first.deref()) if first is not None else None
     if known is None:
         return Why(Code.DYNAMIC_AXIS, "its slices have other dimensions known only at run time, and their sizes "
                                       "could not be read as products of the function's input sizes")
     for option in options:
         for t in option.root.outputs:
-            if not t.shape.is_fully_defined() and state[0].names.get(t.name) is None:
+            if not t.shape.is_fully_defined() and shapes.monomials(t) is None:
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dimensions known only at run time that are not "
                                               "products of the function's input sizes")
     held = [ref.deref() for ref in list(sliced_inputs) + list(whole)] + [t for o in options for t in o.root.outputs]
     return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], known[axis] if dynamic else None, dynamic,
                       [t for t in held if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None])
+
+
+def _first_whole_axis(sliced_inputs: dict, factors: dict):
+    """``(ref, axis)`` of the first input the region slices along an axis of its own (not a factor of
+    one), or ``(None, None)``."""
+    return next(((ref, a) for ref, a in sliced_inputs.items() if ref not in factors), (None, None))
 
 
 def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Why | None:
@@ -416,8 +420,7 @@ def _length_of(t: tf.Tensor, axis: int):
     """What ``t``'s ``axis`` is as long as: the product of the function's run-time sizes it is
     (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s [B * L, E] rows and the [B * L]
     labels it is compared with), else where its run-time length comes from (:func:`length_source`)."""
-    state = shapes.symbolic()
-    known = state[0].names.get(t.name) if state is not None else None
+    known = shapes.monomials(t)
     if known is not None and known[axis] is not None:
         return ("product", known[axis])
     return length_source(t, axis)

@@ -36,10 +36,10 @@ def call_seed() -> tf.Tensor:
     return tf.random.uniform([2], maxval=2**62, dtype=tf.int64)
 
 
-def _spec_with(t: tf.Tensor, axis, chunk) -> tf.TensorSpec:
+def _spec_with(t: tf.Tensor, axis, chunk: int | None) -> tf.TensorSpec:
     shape = t.shape.as_list()
     if axis is not None:
-        shape[axis] = chunk if isinstance(chunk, int) else None     # (a chunk resolved at run time)
+        shape[axis] = chunk                   # (None: a chunk resolved at run time)
     return tf.TensorSpec(shape, t.dtype)
 
 

@@ -252,7 +252,7 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, regi
         return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
     # (a loop writing variables in place holds none of their gradients whole, which a loop over the
     # batch's rows keeps, and the model's count of it misses: first among those within the limit)
-    scaled = getattr(region, "scaled", None)
+    scaled = region.scaled if region is not None else None
     return (not chunks.splits, False, 0 if scaled is None else 1 + scaled.degree,
             (computed > tuning.tiled_share) + (computed > 1),
             joined > tuning.min_tensor_fraction * budget, not written_into, count, -held, chunks.predicted_bytes)

@@ -83,7 +83,7 @@ class Scaling:
         size = tf.floor(float(planned) / tf.maximum(largest, 1e-9))
         if self.plan is not None:
             budget, beside, per_row = self.plan
-            room = budget - beside * tf.maximum(self._growth(self.held, ratios), 1.0 if not self.held else 0.0)
+            room = budget - beside * self._growth(self.held, ratios)
             size = tf.minimum(size, tf.floor(room / (per_row * tf.maximum(largest, 1e-9))))
         most = tf.cast(tf.maximum(tf.cast(length, tf.int32), least), tf.float64)
         return tf.cast(tf.clip_by_value(size, float(least), most), tf.int32)
@@ -109,14 +109,10 @@ class Scaling:
         for i, (d, m) in enumerate(zip(t.shape.as_list(), known)):
             if i in unit_axes or d is not None:
                 out.append(tf.constant(1 if i in unit_axes else d, tf.int32))
-                continue
-            if m is None:
+            elif m is None:
                 return None
-            coefficient, powers = m
-            size = tf.constant(coefficient, tf.int32)
-            for k, e in powers:
-                size *= self.table.run_size(k) ** e
-            out.append(size)
+            else:
+                out.append(self.table.run_value(m))
         return tf.stack(out) if out else tf.zeros([0], tf.int32)
 
 
