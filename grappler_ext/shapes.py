@@ -39,15 +39,23 @@ from collections.abc import Iterator
 import tensorflow as tf
 
 __all__ = ["Symbols", "symbols", "nominal", "same_as", "monomials", "symbolic", "nominal_size", "nominal_key",
-           "dims", "is_static", "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
+           "known_shape", "exact_dims", "is_symbolic", "exact_monomial", "describe_exact", "dims", "is_static",
+           "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
 # product of the run-time sizes: L - 1, or unknown to the inference).
 Monomial = tuple[int, tuple[tuple[int, int], ...]]
-# symbol k is read as _PRIMES[k]: small enough that products of two, times a layer's width, stay
-# within the int32 shape arithmetic TensorFlow's inference evaluates (B * L for a reshape)
+# symbol k is read as _PRIMES[k], then as _CHECK[k]: small enough that products of two, times a
+# layer's width, stay within the int32 shape arithmetic TensorFlow's inference evaluates (B * L for a
+# reshape); a dimension read as the same monomial both times is one (L - 1 is not, nor is a static 1024)
 _PRIMES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061, 1063, 1069, 1087, 1091, 1093, 1097)
+_CHECK = (1103, 1109, 1117, 1123, 1129, 1151, 1153, 1163, 1171, 1181, 1187, 1193, 1201, 1213, 1217, 1223)
 _SHIFT = 16           # a remainder this near a multiple of a prime: a shifted size
+# Exact sizes (:func:`exact_dims`): symbol k read as _EXACT[k], primes far above any static size, so
+# that products, divisibility and equality of those ints are those of the monomials they stand for
+_EXACT = (1099511627791, 1099511627803, 1099511627831, 1099511627873, 1099511627891, 1099511627917, 1099511627933,
+          1099511627953, 1099511628029, 1099511628053, 1099511628079, 1099511628119, 1099511628161, 1099511628191,
+          1099511628211, 1099511628221)
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,6 +86,27 @@ class Symbols:
         """The dimension ``m`` is when the function runs (an int32 scalar XLA resolves)."""
         return tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32)
 
+    def run_exact(self, size: int):
+        """An exact size (:func:`exact_dims`) when the function runs: the int itself where it holds no
+        run-time size, else an int32 scalar XLA resolves."""
+        return size if not is_symbolic(size) else self.run_value(exact_monomial(size))
+
+    def run_shape(self, t: tf.Tensor, unit_axes=()) -> tf.Tensor | None:
+        """``t``'s shape when the function runs (size 1 along ``unit_axes``) as an int32 vector XLA
+        resolves, or ``None`` where a dimension is not a product of the run-time sizes."""
+        known = self.names.get(t.name)
+        if known is None or t.shape.rank is None:
+            return None
+        out = []
+        for i, (d, m) in enumerate(zip(t.shape.as_list(), known)):
+            if i in unit_axes or d is not None:
+                out.append(tf.constant(1 if i in unit_axes else d, tf.int32))
+            elif m is None:
+                return None
+            else:
+                out.append(self.run_value(m))
+        return tf.stack(out) if out else tf.zeros([0], tf.int32)
+
     def same_as(self, new: tf.Tensor, old: tf.Tensor) -> None:
         """``new`` has ``old``'s shape (a loop's output in place of the region's root's)."""
         if old.name in self.names and new.shape.rank == old.shape.rank:
@@ -85,18 +114,31 @@ class Symbols:
 
 
 def _monomial(d: int, count: int) -> Monomial | None:
+    m = _factored(d, count, _PRIMES)
+    # a remainder near a multiple of a prime is a size shifted by a constant (L - 1, 2 L + 1): not a
+    # product of them (read so where the inference could be run only once: a static factor that
+    # near one is taken for one too, and grows as the fastest)
+    if any(min(m[0] % p, p - m[0] % p) < _SHIFT for p in _PRIMES[:count] if m[0] >= p - _SHIFT):
+        return None
+    return m
+
+
+def _exactly(d: int, again: int, count: int) -> Monomial | None:
+    """The monomial a dimension inferred as ``d`` with the symbols at :data:`_PRIMES` and as
+    ``again`` with them at :data:`_CHECK` is, or ``None`` where the two readings differ."""
+    first = _factored(d, count, _PRIMES)
+    return first if first == _factored(again, count, _CHECK) else None
+
+
+def _factored(d: int, count: int, primes) -> Monomial:
     powers = []
     for k in range(count):
-        p, e = _PRIMES[k], 0
-        while d % p == 0:
-            d //= p
+        e = 0
+        while d % primes[k] == 0:
+            d //= primes[k]
             e += 1
         if e:
             powers.append((k, e))
-    # a remainder near a multiple of a prime is a size shifted by a constant (L - 1, 2 L + 1): not a
-    # product of them (a static factor that near one is taken for one too, and grows as the fastest)
-    if any(min(d % p, p - d % p) < _SHIFT for p in _PRIMES[:count] if d >= p - _SHIFT):
-        return None
     return (d, tuple(powers))
 
 
@@ -144,7 +186,7 @@ def _shapes_only(graph):
     return graph_def
 
 
-def _inferred(prepared, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | None:
+def _inferred(prepared, inputs: list[tf.Tensor], symbol_of: dict, primes=_PRIMES) -> tf.Graph | None:
     """A copy of the graph ``prepared`` (:func:`_shapes_only`) with each input's unknown axis set to
     its symbol's prime, its shapes inferred by TensorFlow; ``None`` where the inference rejects them."""
     names = {t.op.name: t for t in inputs}
@@ -155,7 +197,7 @@ def _inferred(prepared, inputs: list[tf.Tensor], symbol_of: dict) -> tf.Graph | 
         if t is None or "shape" not in node.attr:
             continue
         node.attr["shape"].shape.CopyFrom(tf.TensorShape(
-            [_PRIMES[symbol_of[t.name, a]] if d is None else d for a, d in enumerate(t.shape.as_list())]).as_proto())
+            [primes[symbol_of[t.name, a]] if d is None else d for a, d in enumerate(t.shape.as_list())]).as_proto())
         node.attr.pop("_output_shapes", None)
     copy = tf.Graph()
     try:
@@ -192,20 +234,28 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
     sources: dict = {}
     for (name, a), k in symbol_of.items():
         sources.setdefault(k, []).append((by_name[name], a))
-    return Symbols(_read(graph, copy, count), count, sources)
+    again = _inferred(prepared, inputs, symbol_of, _CHECK)
+    return Symbols(_read(graph, copy, count, again), count, sources)
 
 
-def _read(graph, copy: tf.Graph, count: int) -> dict:
-    """The monomials of ``graph``'s tensors of run-time sizes, from ``copy`` (its inferred twin)."""
+def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> dict:
+    """The monomials of ``graph``'s tensors of run-time sizes, from ``copy`` (its inferred twin), checked
+    against ``again`` (inferred with the symbols at other primes) where it could be made."""
     table: dict = {}
     originals = {op.name: op for op in graph.get_operations()}
+    checks = {op.name: op for op in again.get_operations()} if again is not None else {}
     for op in copy.get_operations():
-        original = originals.get(op.name)
-        for o, t in zip(op.outputs, original.outputs if original is not None else ()):
+        original, check = originals.get(op.name), checks.get(op.name)
+        for i, (o, t) in enumerate(zip(op.outputs, original.outputs if original is not None else ())):
             if t.shape.rank is None or t.shape.is_fully_defined() or o.shape.rank != t.shape.rank:
                 continue
-            table[t.name] = tuple(None if d is None else (d, ()) if s is not None else _monomial(d, count)
-                                  for d, s in zip(o.shape.as_list(), t.shape.as_list()))
+            other = check.outputs[i].shape.as_list() if check is not None and check.outputs[i].shape.rank == \
+                o.shape.rank else None
+            table[t.name] = tuple(
+                None if d is None else (d, ()) if s is not None else
+                _monomial(d, count) if again is None else
+                None if other is None or other[j] is None else _exactly(d, other[j], count)
+                for j, (d, s) in enumerate(zip(o.shape.as_list(), t.shape.as_list())))
     return table
 
 
@@ -242,6 +292,15 @@ def monomials(t: tf.Tensor) -> tuple[Monomial | None, ...] | None:
     return state[1].names.get(t.name) if state is not None and state[1] is not None else None
 
 
+def known_shape(t: tf.Tensor) -> bool:
+    """Whether ``t``'s shape is static, or known as products of the run-time sizes under the table
+    of the nominal sizes in effect (:meth:`Symbols.run_shape` gives it when the function runs)."""
+    if t.shape.is_fully_defined():
+        return True
+    known = monomials(t)
+    return known is not None and all(m is not None or d is not None for m, d in zip(known, t.shape.as_list()))
+
+
 def symbolic() -> tuple[Symbols, int, dict[int, int]] | None:
     """``(table, size, values)`` of the nominal sizes in effect, where they have a table; else ``None``."""
     state = _NOMINAL.get()
@@ -272,6 +331,46 @@ def _evaluate(m: Monomial | None, size_of):
     for k, e in powers:
         out *= size_of(k) ** e
     return out
+
+
+def exact_dims(t: tf.Tensor) -> list[int | None] | None:
+    """``t``'s dimensions as exact sizes under the table of the nominal sizes in effect: a static
+    size as itself, a product of run-time sizes as that product with each symbol read as a prime of
+    its own far above any static size (so that ``a * b``, ``a % b == 0``, ``a // b`` and ``a == b``
+    of such ints are those of the monomials: a reshape's factors through [B * L, E] -> [B, L, E]);
+    ``None`` for a dimension that is neither.  The static shape outside such planning; ``None`` for
+    an unknown rank."""
+    if t.shape.rank is None:
+        return None
+    known = monomials(t)
+    return [d if d is not None else _evaluate(known[i], _EXACT.__getitem__) if known is not None else None
+            for i, d in enumerate(t.shape.as_list())]
+
+
+def is_symbolic(size: int) -> bool:
+    """Whether an exact size (:func:`exact_dims`) holds a run-time size."""
+    return any(size % p == 0 for p in _EXACT)
+
+
+def exact_monomial(size: int) -> Monomial:
+    """The monomial an exact size (:func:`exact_dims`) stands for."""
+    powers = []
+    for k, p in enumerate(_EXACT):
+        e = 0
+        while size % p == 0:
+            size //= p
+            e += 1
+        if e:
+            powers.append((k, e))
+    return (size, tuple(powers))
+
+
+def describe_exact(size: int) -> str:
+    """An exact size for people: ``4``, ``s0``, ``64*s0*s1``."""
+    coefficient, powers = exact_monomial(size)
+    parts = ([str(coefficient)] if coefficient != 1 or not powers else []) + [
+        f"s{k}" if e == 1 else f"s{k}^{e}" for k, e in powers]
+    return "*".join(parts)
 
 
 def dynamic_axes(t: tf.Tensor) -> tuple[int, ...]:

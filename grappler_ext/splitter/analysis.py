@@ -33,6 +33,7 @@ from grappler_ext.op_types import (
     NOT_CLONED,
     PASS_THROUGH,
     REDUCTIONS,
+    SHAPE_READERS,
     nbytes,
     reserve_space,
     static_shape_reader,
@@ -241,14 +242,17 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
                 return Why(Code.REGION_CONFLICT, f"`{op.name}` output {k} is needed along axes {sorted(axes)}")
             axis = next(iter(axes))
             dim = op.outputs[k].shape[axis]
-            if dim is not None and not factor.unit:
+            if not factor.unit:
+                # (sizes known only at run time as exact products of them: shapes.exact_dims)
+                dim = (shapes.exact_dims(op.outputs[k]) or [None] * (axis + 1))[axis]
+                if dim is None:
+                    return Why(Code.DYNAMIC_AXIS, f"`{op.name}` has a run-time length along the split axis, "
+                                                  "reached through a reshape's factor, that is no product of the "
+                                                  "function's input sizes")
                 if dim % factor.rows(1):
-                    return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {dim} along the split axis, not a "
-                                                     f"multiple of {factor.rows(1)}")
-                dim = dim // factor.rows(1)
-            elif dim is None and not factor.unit:
-                return Why(Code.DYNAMIC_AXIS, f"`{op.name}` has a run-time length along the split axis, reached "
-                                              "through a reshape's factor")
+                    return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {op.outputs[k].shape[axis]} along the "
+                                                     f"split axis, not a multiple of the factor {factor}'s")
+                dim = None if shapes.is_symbolic(dim // factor.rows(1)) else dim // factor.rows(1)
             if length is _UNSET:
                 length = dim
             elif dim != length:
@@ -297,7 +301,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     if length is _UNSET:
         return Why(Code.NO_ROOT, "no input of the root carries the split axis")
     dynamic = length is None
-    why = _dynamic_dims(options, sliced_inputs, whole, dynamic)
+    why = _dynamic_dims(options, sliced_inputs, whole, dynamic, factors)
     if why is not None:
         return why
     if dynamic:              # its nominal length (a padded batch's at its own nominal size)
@@ -336,20 +340,23 @@ def _scaling(options, ops, sliced_inputs: dict, whole: set, factors: dict, dynam
         return None
     tensors = [t for t in [o for op in ops for o in op.outputs] + [ref.deref() for ref in sliced_inputs]
                if t.dtype not in (tf.resource, tf.variant) and not reserve_space(t) and t.shape.rank is not None]
-    if not any(len(shapes.dynamic_axes(t)) > int(dynamic) for t in tensors):
+    if not any(len(shapes.dynamic_axes(t)) > int(dynamic) for t in tensors) and not any(
+            f.symbolic for f in factors.values()):
         return None
-    first, axis = _first_whole_axis(sliced_inputs, factors)
-    known = shapes.monomials(first.deref()) if first is not None else None
-    if known is None:
-        return Why(Code.DYNAMIC_AXIS, "its slices have other dimensions known only at run time, and their sizes "
-                                      "could not be read as products of the function's input sizes")
+    length = None
+    if dynamic:                # the split axis' length, from any input it slices (through factors too)
+        found = [_length_of(ref.deref(), a, factors.get(ref, UNIT)) for ref, a in sliced_inputs.items()]
+        length = next((m for kind, m, *_ in found if kind == "product"), None)
+        if length is None:
+            return Why(Code.DYNAMIC_AXIS, "its slices have other dimensions known only at run time, and their "
+                                          "sizes could not be read as products of the function's input sizes")
     for option in options:
         for t in option.root.outputs:
             if not t.shape.is_fully_defined() and shapes.monomials(t) is None:
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dimensions known only at run time that are not "
                                               "products of the function's input sizes")
     held = [ref.deref() for ref in list(sliced_inputs) + list(whole)] + [t for o in options for t in o.root.outputs]
-    return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], known[axis] if dynamic else None, dynamic,
+    return scaling.of([t for t in tensors if shapes.dynamic_axes(t)], length, dynamic,
                       [t for t in held if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None])
 
 
@@ -359,7 +366,7 @@ def _first_whole_axis(sliced_inputs: dict, factors: dict):
     return next(((ref, a) for ref, a in sliced_inputs.items() if ref not in factors), (None, None))
 
 
-def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Why | None:
+def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool, factors: dict) -> Why | None:
     """Why a region with dimensions known only at run time cannot be split, or ``None``.
 
     Planned at a nominal size (:mod:`grappler_ext.shapes`), every dimension may be one: a loop
@@ -395,7 +402,7 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool) -> Wh
         if stray(ref.deref(), set()):
             t = ref.deref()
             return Why(Code.DYNAMIC_AXIS, f"`{t.name}` of dynamic shape {t.shape} is read whole by every slice")
-    sources = {_length_of(ref.deref(), axis) for ref, axis in sliced_inputs.items()}
+    sources = {_length_of(ref.deref(), axis, factors.get(ref, UNIT)) for ref, axis in sliced_inputs.items()}
     if dynamic and len(sources) > 1:
         shown = ", ".join(sorted(f"`{name}` axis {a}" for name, a in sources)[:3])
         return Why(Code.DYNAMIC_AXIS, f"the sliced inputs' lengths are known only at run time and may differ "
@@ -416,13 +423,16 @@ def creates_variables(graph) -> bool:
                for op in graph.get_operations() if op.type == "VarIsInitializedOp" for c in op.outputs[0].consumers())
 
 
-def _length_of(t: tf.Tensor, axis: int):
-    """What ``t``'s ``axis`` is as long as: the product of the function's run-time sizes it is
-    (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s [B * L, E] rows and the [B * L]
-    labels it is compared with), else where its run-time length comes from (:func:`length_source`)."""
-    known = shapes.monomials(t)
-    if known is not None and known[axis] is not None:
-        return ("product", known[axis])
+def _length_of(t: tf.Tensor, axis: int, factor: Factor = UNIT):
+    """What the split axis ``t`` holds along ``axis`` (at ``factor`` in it) is as long as: the product
+    of the function's run-time sizes it is (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s
+    [B * L, E] rows and the [B * L] labels it is compared with; the L of those rows split along the
+    sequence), else where its run-time length comes from (:func:`length_source`)."""
+    exact = shapes.exact_dims(t)
+    if exact is not None and exact[axis] is not None and shapes.monomials(t) is not None:
+        return ("product", shapes.exact_monomial(exact[axis] // factor.rows(1)))
+    if not factor.unit:
+        return (t.name, axis, str(factor))
     return length_source(t, axis)
 
 
@@ -530,6 +540,14 @@ def _scalar_source(t: tf.Tensor, depth: int) -> tuple[tf.Tensor, int] | None:
     return None
 
 
+def shape_reader(op: tf.Operation) -> bool:
+    """A ``Shape``-like op (it reads no values) of tensors whose shapes are static, or products of the
+    function's run-time sizes where they are planned with them (:func:`grappler_ext.shapes.known_shape`):
+    the loop that replaces what it reads computes its result instead (a Keras ``Dense``'s
+    ``tf.shape`` of a padded batch's activations)."""
+    return op.type in SHAPE_READERS and all(shapes.known_shape(t) for t in op.inputs)
+
+
 def _sparse_lookup(op: tf.Operation, prop: rules.Propagation) -> bool:
     """Whether ``op`` gathers rows of a variable's value read whole (an embedding lookup): the gradients
     recorded for that variable are ``IndexedSlices``, which a loop's gradient would accumulate dense, so
@@ -558,7 +576,7 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     for o in op.outputs:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
-        if any(c not in included and c in live and not static_shape_reader(c) for c in o.consumers()):
+        if any(c not in included and c in live and not shape_reader(c) for c in o.consumers()):
             return Why(Code.REGION_STOPS, f"`{op.name}` is also read outside the region")
     return None
 
@@ -588,7 +606,7 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
         if t.ref() in graph_outputs:
             stop = f"`{t.op.name}` is an output of the function"
         for reader in sorted(set(t.consumers()), key=lambda op: order_index.get(op, -1)) if stop is None else ():
-            if reader not in order_index or reader in ignored or static_shape_reader(reader):
+            if reader not in order_index or reader in ignored or shape_reader(reader):
                 continue
             slots = [j for j, x in enumerate(reader.inputs) if x is t]
             if reader.type == "AssignVariableOp" and slots == [1]:
@@ -671,7 +689,8 @@ def _kept(reader: tf.Operation, slots: list[int], axis: int, factor) -> tuple[ru
     if reader.type == "Reshape" and slots == [0] and reader.inputs[0].shape.rank is not None and candidates:
         # A reshape keeps flat indices: its output holds the axis where rules.factor_axis finds it
         # (static shapes; else, as any op, along one of its axes whole).
-        found = rules.factor_axis(reader.outputs[0].shape.as_list(), reader.inputs[0].shape.as_list(), axis, factor)
+        found = rules.factor_axis(shapes.exact_dims(reader.outputs[0]), shapes.exact_dims(reader.inputs[0]), axis,
+                                  factor)
         candidates = [found] if found is not None else candidates if factor.unit else []
     for b, out_factor in candidates:
         prop = rules.propagate(reader, 0, b, factor=out_factor)

@@ -63,6 +63,7 @@ from grappler_ext.splitter.rules import clone_op
 from grappler_ext.splitter.scaling import Scaling
 from grappler_ext.splitter.slicing import (
     UNIT,
+    Factor,
     axis_length,
     clamped_slice,
     dynamic_slice,
@@ -201,7 +202,7 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
         cut = dynamic_slice if length is None else clamped_slice
         for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
-            factor = region.factors.get(t.ref(), UNIT)
+            factor = run_factor(region, t.ref())
             piece = None if axis is None else factored_slice(v, axis, offset, chunk, factor, cut)
             sliced.append(piece)
             if piece is not None:
@@ -216,7 +217,7 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
 
         for op in region.ops:
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
-            factor = region.factors.get(op, UNIT)
+            factor = run_factor(region, op)
             # (a rebuild that needs its offset is only ever the whole axis: analysis.grow)
             for old, new in zip(op.outputs, region.rebuild[op](op, inputs, factor.rows(chunk), offset * factor.inner)):
                 split_env[old.ref()] = new
@@ -241,9 +242,25 @@ def run_length(region: Region, external: Sequence[tf.Tensor], values: Sequence[t
     should one broadcast a single row (each slice reads its own rows clamped)."""
     if not region.dynamic:
         return None
-    lengths = [axis_length(v, region.sliced_inputs[t.ref()]) for t, v in zip(external, values)
-               if t.ref() in region.sliced_inputs]
+    if region.scaled is not None:
+        # Read from the function's inputs (the shapes of values computed in the program, a loop's
+        # outputs, are not always compile-time constants to XLA where the function is called by
+        # another); a static axis (a loop with run-time sizes beside it) as itself.
+        found = region.scaled.run_length()
+        return tf.constant(region.length, tf.int32) if found is None else found
+    # (an input holding the split axis as a factor of its axis: that axis' length over the factor's)
+    lengths = []
+    for t, v in zip(external, values):
+        if t.ref() in region.sliced_inputs:
+            n, factor = axis_length(v, region.sliced_inputs[t.ref()]), run_factor(region, t.ref())
+            lengths.append(n if factor.unit else n // factor.rows(1))
     return lengths[0] if len(lengths) == 1 else tf.reduce_max(tf.stack(lengths))
+
+
+def run_factor(region: Region, key) -> Factor:
+    """Where the split axis lies in the axis of the region's op or sliced input ``key``, with its
+    sizes as the function runs (:meth:`~.slicing.Factor.at_run`)."""
+    return region.factors.get(key, UNIT).at_run(region.scaled.table if region.scaled is not None else None)
 
 
 def _scaled(region: Region, length, chunks: Sequence[int], specs):
@@ -449,7 +466,7 @@ def _inputs_gradients(region, external, values, axes, read_whole, length, arrays
         if a is not None:
             parts.append(join_slices(next(arrays), a, tail_sliced[k],
                                      None if length is None else axis_length(values[k], a),
-                                     region.factors.get(external[k].ref(), UNIT).outer))
+                                     run_factor(region, external[k].ref()).outer))
         if w:
             total = next(sums)
             parts.append(total if tail_whole[k] is None else total + tail_whole[k])

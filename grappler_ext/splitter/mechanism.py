@@ -21,7 +21,7 @@ from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
 from grappler_ext.splitter import analysis, combiners, rules, slicing, tiled_loop, tiling
-from grappler_ext.splitter.analysis import const_axes
+from grappler_ext.splitter.analysis import const_axes, shape_reader
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, external_inputs, forward_program, fused_program
 from grappler_ext.splitter.loop import fusable as loop_fusable
@@ -285,16 +285,36 @@ def variables_as_values(graph, scope: str, min_bytes: int) -> int | None:
 
 
 def _fold_shape_readers(ops) -> None:
-    """Replace the static ``Shape``-like readers of ``ops``' outputs by constants."""
+    """Replace the ``Shape``-like readers of ``ops``' outputs (:func:`~.analysis.shape_reader`) by what
+    they read: constants for static shapes, else the shapes computed from the run-time sizes."""
+    state = shapes.symbolic()
     for op in ops:
         for o in op.outputs:
             for reader in list(o.consumers()):
-                if not static_shape_reader(reader):
+                if not shape_reader(reader):
                     continue
-                for out in reader.outputs:
-                    value = tensor_util.constant_value(out)
+                for out, value in zip(reader.outputs, _shape_values(reader, state[0] if state else None)):
                     if value is not None and out.consumers():
-                        graph_edit.replace_uses(out, tf.constant(value, dtype=out.dtype))
+                        graph_edit.replace_uses(out, value)
+
+
+def _shape_values(reader: tf.Operation, table) -> list:
+    """The outputs of a ``Shape``-like op computed from its inputs' shapes (``None`` where it cannot)."""
+    if static_shape_reader(reader):
+        values = [tensor_util.constant_value(out) for out in reader.outputs]
+        return [None if v is None else tf.constant(v, dtype=out.dtype) for v, out in zip(values, reader.outputs)]
+    if table is None:
+        return [None] * len(reader.outputs)
+    dtype = reader.outputs[0].dtype
+    if reader.type == "Rank":
+        return [tf.constant(reader.inputs[0].shape.rank, dtype)]
+    found = [table.run_shape(t) if not t.shape.is_fully_defined() else tf.constant(t.shape.as_list(), tf.int32)
+             for t in reader.inputs]
+    if any(f is None for f in found):
+        return [None] * len(reader.outputs)
+    if reader.type == "Size":
+        return [tf.cast(tf.reduce_prod(found[0]), dtype)]
+    return [tf.cast(f, out.dtype) for f, out in zip(found, reader.outputs)]
 
 
 def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False) -> int:

@@ -965,18 +965,20 @@ def _transpose(op, output_index, axis):
 @rule("Reshape")
 def _reshape(op, output_index, axis, factor: Factor = UNIT):
     in_dims, out_dims = _dims(op.inputs[0]), _dims(op.outputs[0])
+    # (planned with run-time sizes, the sizes they are products of as exact ints: shapes.exact_dims)
+    ins, outs = shapes.exact_dims(op.inputs[0]), shapes.exact_dims(op.outputs[0])
 
     def rebuild(op, inputs, chunk):
         # The static output shape with c on the axis: any -1 of the shape constant is resolved.
         return [tf.reshape(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1)))]
 
-    before = math.prod(out_dims[:axis])
-    for b, n in enumerate(in_dims):
+    before = math.prod(outs[:axis])
+    for b, n in enumerate(ins):
         # A size known only at run time is kept only with the same static sizes after it.
-        if math.prod(in_dims[:b]) == before and n == out_dims[axis] and (
-                n is not None or math.prod(in_dims[b + 1:]) == math.prod(out_dims[axis + 1:])):
+        if math.prod(ins[:b]) == before and n == outs[axis] and (
+                n is not None or math.prod(ins[b + 1:]) == math.prod(outs[axis + 1:])):
             return Propagation((b, None), (axis,), rebuild)
-    found = factor_axis(in_dims, out_dims, axis, factor)
+    found = factor_axis(ins, outs, axis, factor)
     if found is None:
         where = "" if factor.unit else f" (the split axis at {factor} in it)"
         return Refusal(f"`Reshape` {in_dims} -> {out_dims} does not keep axis {axis} (size {out_dims[axis]}){where} "

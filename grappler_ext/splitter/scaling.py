@@ -60,6 +60,12 @@ class Scaling:
     fixed: frozenset = frozenset()          # symbols planned at a set size (a batch), not the growing one
     held: list[Row] = dataclasses.field(default_factory=list)    # the inputs' and results' elements
     plan: tuple[float, float, float] | None = None                # (budget, beside the loop, a row's bytes)
+    length: shapes.Monomial | None = None     # the split axis' length, where it is known only at run time
+
+    def run_length(self) -> tf.Tensor | None:
+        """The split axis' length when the function runs, from the function's input sizes (``None``
+        for a static one)."""
+        return None if self.length is None else self.table.run_value(self.length)
 
     def room(self, budget: float, beside: float, per_row: float) -> None:
         """Size the chunk from the plan's figures at the nominal sizes (see the module docstring)."""
@@ -102,18 +108,7 @@ class Scaling:
     def dims(self, t: tf.Tensor, unit_axes: Sequence[int] = ()) -> tf.Tensor | None:
         """``t``'s shape when the function runs (size 1 along ``unit_axes``), or ``None`` where a
         dimension is not a product of the run-time sizes."""
-        known = self.table.names.get(t.name)
-        if known is None:
-            return None
-        out = []
-        for i, (d, m) in enumerate(zip(t.shape.as_list(), known)):
-            if i in unit_axes or d is not None:
-                out.append(tf.constant(1 if i in unit_axes else d, tf.int32))
-            elif m is None:
-                return None
-            else:
-                out.append(self.table.run_value(m))
-        return tf.stack(out) if out else tf.zeros([0], tf.int32)
+        return self.table.run_shape(t, unit_axes)
 
 
 def _powers(monomials) -> tuple[dict[int, int], int]:
@@ -158,4 +153,4 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequenc
     if any(row.unknown for row in rows + whole):
         used |= set(table.sources)
     nominal = {k: values.get(k, size) for k in sorted(used) if k in table.sources}
-    return Scaling(rows, table, nominal, frozenset(values), whole)
+    return Scaling(rows, table, nominal, frozenset(values), whole, length=axis_monomial if dynamic else None)

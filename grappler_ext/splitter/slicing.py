@@ -28,6 +28,8 @@ import dataclasses
 
 import tensorflow as tf
 
+from grappler_ext import shapes
+
 __all__ = ["Factor", "UNIT", "factored_slice", "dynamic_slice", "join_slices", "clamped_slice",
            "valid_rows", "mask_rows", "trimmed", "axis_length"]
 
@@ -40,44 +42,79 @@ class Factor:
     ``c * inner`` rows starting at ``s * inner``, ``n * inner`` apart.
 
     ``[4, 512, E]`` split along its batch is ``Factor(1, 512)`` in the ``[2048, E]`` it was reshaped
-    from (one contiguous run); split along its sequence, ``Factor(4, 1)`` there (4 runs).
+    from (one contiguous run); split along its sequence, ``Factor(4, 1)`` there (4 runs).  Planned
+    with sizes known only at run time (a padded batch's ``[B * L, E]``), ``outer`` and ``inner`` are
+    exact sizes (:func:`grappler_ext.shapes.exact_dims`) and :meth:`at_run` gives them when the
+    function runs: ints, or scalar tensors XLA resolves when it compiles.
     """
 
     outer: int = 1
     inner: int = 1
 
     def __post_init__(self):
-        if self.outer < 1 or self.inner < 1:
+        if isinstance(self.outer, int) and isinstance(self.inner, int) and (self.outer < 1 or self.inner < 1):
             raise ValueError(f"a factor's outer and inner sizes are positive, not {self.outer} and {self.inner}")
 
     @property
     def unit(self) -> bool:
         """Whether the split axis is the tensor's axis itself."""
-        return self.outer == 1 and self.inner == 1
+        return _is_one(self.outer) and _is_one(self.inner)
 
-    def rows(self, chunk: int) -> int:
+    @property
+    def symbolic(self) -> bool:
+        """Whether its sizes are known only when the function runs."""
+        return shapes.is_symbolic(self.outer) or shapes.is_symbolic(self.inner)
+
+    def rows(self, chunk):
         """The rows of the tensor's axis that ``chunk`` rows of the split axis are."""
         return self.outer * chunk * self.inner
 
+    def at_run(self, table: shapes.Symbols | None) -> Factor:
+        """This factor with its sizes as the function runs (``table``: the run-time sizes it was
+        planned with, needed where it is :attr:`symbolic`)."""
+        if not self.symbolic:
+            return self
+        if table is None:
+            raise ValueError(f"the factor {self} has sizes known only at run time, and no table of them was given")
+        return Factor(table.run_exact(self.outer), table.run_exact(self.inner))
+
     def __str__(self) -> str:
-        return "whole axis" if self.unit else f"[{self.outer}, n, {self.inner}]"
+        if self.unit:
+            return "whole axis"
+        if self.symbolic:
+            return f"[{shapes.describe_exact(self.outer)}, n, {shapes.describe_exact(self.inner)}]"
+        return f"[{self.outer}, n, {self.inner}]"
+
+
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
 
 
 UNIT = Factor()
 
 
-def factored_slice(t: tf.Tensor, axis: int, offset, size: int, factor: Factor = UNIT, cut=None) -> tf.Tensor:
+def factored_slice(t: tf.Tensor, axis: int, offset, size, factor: Factor = UNIT, cut=None) -> tf.Tensor:
     """The rows of ``t``'s ``axis`` that rows ``offset .. offset + size - 1`` of the split axis are,
-    in order (``factor``: where the split axis lies in ``t``'s axis); ``cut`` slices a whole axis
-    (default :func:`dynamic_slice`).  More than one run (``factor.outer > 1``) needs static shapes:
-    the axis is viewed as ``[outer, n * inner]``, sliced in its second part and merged back."""
+    in order (``factor``: where the split axis lies in ``t``'s axis, with its sizes as the function
+    runs: :meth:`Factor.at_run`); ``cut`` slices a whole axis (default :func:`dynamic_slice`).  More
+    than one run (``factor.outer > 1``): the axis is viewed as ``[outer, n * inner]``, sliced in its
+    second part and merged back."""
     cut = cut or dynamic_slice
-    if factor.outer == 1:
+    if _is_one(factor.outer):
         return cut(t, axis, offset * factor.inner, size * factor.inner)
+    piece = cut(_reshaped(t, axis, 1, [factor.outer, -1]), axis + 1, offset * factor.inner, size * factor.inner)
+    return _reshaped(piece, axis, 2, [-1])
+
+
+def _reshaped(t: tf.Tensor, axis: int, width: int, middle: list) -> tf.Tensor:
+    """``t`` with its axes ``axis .. axis + width - 1`` reshaped to ``middle`` (ints, one -1, or
+    scalar tensors); its other axes as they are, read when the function runs where they are not static."""
     dims = t.shape.as_list()
-    grouped = tf.reshape(t, dims[:axis] + [factor.outer, dims[axis] // factor.outer] + dims[axis + 1:])
-    piece = dynamic_slice(grouped, axis + 1, offset * factor.inner, size * factor.inner)
-    return tf.reshape(piece, dims[:axis] + [factor.rows(size)] + dims[axis + 1:])
+    if all(isinstance(m, int) for m in middle) and all(d is not None for d in dims[:axis] + dims[axis + width:]):
+        return tf.reshape(t, dims[:axis] + list(middle) + dims[axis + width:])
+    run = tf.shape(t, out_type=tf.int32)
+    return tf.reshape(t, tf.concat([run[:axis], tf.stack([tf.cast(m, tf.int32) for m in middle]),
+                                    run[axis + width:]], 0))
 
 
 def dynamic_slice(t: tf.Tensor, axis: int, offset, size) -> tf.Tensor:
@@ -92,25 +129,23 @@ def dynamic_slice(t: tf.Tensor, axis: int, offset, size) -> tf.Tensor:
     return tf.slice(t, begin, sizes)
 
 
-def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None, length=None, outer: int = 1) -> tf.Tensor:
+def join_slices(array: tf.TensorArray, axis: int, tail: tf.Tensor | None, length=None, outer=1) -> tf.Tensor:
     """Join the slices written to ``array`` (each ``[.., c, ..]``, ``c`` at ``axis``) and ``tail``.
 
     ``stack`` gives ``[S, .., c, ..]``; moving ``S`` next to the split axis and merging the two
     axes gives the slices in order along ``axis``; the remainder slice is appended.  ``length``
     (a scalar tensor): the number of slices is known only at run time, and the joined rows past
     ``length`` (the last slice's, past the end) are cut off.  ``outer``: each slice is that many
-    runs of rows (a :class:`Factor`'s), joined run by run (static shapes).
+    runs of rows (a :class:`Factor`'s, an int or a scalar tensor), joined run by run, each cut to
+    ``length / outer`` rows.
     """
     stacked = array.stack()                                             # [S, d0, .., c, ..]
-    if outer > 1:
-        shape = stacked.shape.as_list()
-        runs = shape[:axis + 1] + [outer, shape[axis + 1] // outer] + shape[axis + 2:]
+    if not _is_one(outer):
         if tail is not None:
-            dims = tail.shape.as_list()
-            tail = tf.reshape(tail, dims[:axis] + [outer, dims[axis] // outer] + dims[axis + 1:])
-        joined = _join(tf.reshape(stacked, runs), axis + 1, tail, None)        # [.., outer, n, ..]
-        dims = joined.shape.as_list()
-        return tf.reshape(joined, dims[:axis] + [outer * dims[axis + 1]] + dims[axis + 2:])
+            tail = _reshaped(tail, axis, 1, [outer, -1])
+        joined = _join(_reshaped(stacked, axis + 1, 1, [outer, -1]), axis + 1, tail,
+                       None if length is None else length // outer)          # [.., outer, n, ..]
+        return _reshaped(joined, axis, 2, [-1])
     return _join(stacked, axis, tail, length)
 
 

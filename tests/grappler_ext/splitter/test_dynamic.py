@@ -16,8 +16,9 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
-from grappler_ext.splitter import analysis, nominal, scaling
+from grappler_ext.splitter import analysis, nominal, rules, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
+from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 
 rng = np.random.RandomState(0)
 DB = tf.constant(rng.randn(2000, 3).astype(np.float32))
@@ -407,3 +408,47 @@ def test_a_scaled_chunk_follows_the_run_time_sizes():
     assert _run_chunk(planned, 64, 1, (8, 512, 4)) == 30             # min(64 / 2, 600 / (10 * 2))
     row = scaling.Scaling([scaling.Row((), 1)], shapes.Symbols({}, 1, {}), {})
     assert row.degree == 1 and scaled(tf.zeros([1, 1, 4])).degree == 1   # the batch's power not counted
+
+
+def test_exact_sizes_are_monomials_as_ints():
+    """Exact sizes (shapes.exact_dims): a run-time size as a prime far above any static one, so that
+    a reshape's factor analysis, in ints, is exact in the monomials they stand for."""
+    def fn(x):
+        return tf.reshape(x, [-1, 16]), x[:, :-1]
+    g = _graph_of(fn, tf.TensorSpec([None, None, 16]))
+    table = shapes.symbols(g, nominal.dynamic_inputs(g))
+    rows, shifted = (op.outputs[0] for op in g.get_operations() if op.type in ("Reshape", "StridedSlice"))
+    assert shapes.exact_dims(rows) == rows.shape.as_list()                  # outside planning: static
+    with shapes.nominal(64, table, {0: 8}):
+        b, length, e = shapes.exact_dims(g.get_tensor_by_name("x:0"))
+        assert e == 16 and shapes.is_symbolic(b) and shapes.is_symbolic(length) and b != length
+        assert shapes.exact_dims(rows) == [b * length, 16]
+        assert shapes.exact_dims(shifted)[1] is None                        # L - 1: no product
+        assert shapes.exact_monomial(b * length * 3) == (3, ((0, 1), (1, 1)))
+        assert shapes.describe_exact(b * length * 3) == "3*s0*s1" and shapes.describe_exact(7) == "7"
+        assert not shapes.is_symbolic(16 * 1024)
+        # [B, L, 16] -> [B * L, 16]: the length at Factor(B, 1) in the rows, the batch at Factor(1, L)
+        assert rules.factor_axis([b * length, 16], [b, length, 16], 1, UNIT) == (0, Factor(b, 1))
+        assert rules.factor_axis([b * length, 16], [b, length, 16], 0, UNIT) == (0, Factor(1, length))
+        assert rules.factor_axis([b, length, 16], [b * length, 16], 0, Factor(b, 1)) == (1, UNIT)
+        assert str(Factor(b, 1)) == "[s0, n, 1]"
+
+
+@pytest.mark.parametrize("outer, inner", [(3, 1), (1, 5), (3, 5)])
+def test_factored_slices_and_joins_with_run_time_factors(outer, inner):
+    """A factored slice and the join of such slices with the factor's sizes as scalar tensors (as a
+    padded batch's [B * L, E] rows are cut when the function runs) equal the static ones; the last
+    slice may run past the split axis' end (clamped), and the join cuts it back."""
+    n, chunk, e = 7, 3, 2
+    t = tf.reshape(tf.range(outer * n * inner * e, dtype=tf.float32), [outer * n * inner, e])
+    static, run = Factor(outer, inner), Factor(tf.constant(outer), tf.constant(inner))
+    for offset in range(0, n, chunk):
+        size = min(chunk, n - offset)
+        want = factored_slice(t, 0, offset, size, static)
+        got = factored_slice(t, 0, tf.constant(offset), size, run, clamped_slice)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    array = tf.TensorArray(tf.float32, size=0, dynamic_size=True)
+    for s, offset in enumerate(range(0, n, chunk)):       # the last slice runs past n, clamped
+        array = array.write(s, factored_slice(t, 0, offset, chunk, run, clamped_slice))
+    joined = join_slices(array, 0, None, tf.constant(outer * n * inner), run.outer)
+    np.testing.assert_array_equal(joined.numpy(), t.numpy())

@@ -97,3 +97,31 @@ def test_an_axis_spread_over_two_input_axes_is_never_sliced():
                    and "Reshape" in r.ops for r in records)
     want = tf.function(merged_rows, jit_compile=True)(X).numpy()
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("fn", [per_example, training_step(per_position), training_step(attention_like)],
+                         ids=lambda f: f.__name__)
+def test_a_loop_through_merged_rows_of_run_time_sizes(fn):
+    """The same block on padded batches (``input_signature`` [None, None, D]: tf.data's, Keras'):
+    the merged rows are [B * L, E] with both sizes known only at run time, ``tf.tensordot``'s shapes
+    read with ``tf.shape``.  Planned at nominal sizes, the loop cuts the rows by factors whose sizes
+    it reads when the function runs (and computes those ``tf.shape`` reads itself); within the limit
+    by XLA's figure at the shape it was sized from, equal to the unsplit function at that shape and
+    at another."""
+    naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
+    limit = naive // 4
+    other = X[:5, :100]
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        padded = tf.function(fn, jit_compile=True, input_signature=[tf.TensorSpec([None, None, D])])
+        got = [padded(X), padded(other)]
+        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
+        after = tf_memsafe.memory_footprint(padded, tf.TensorSpec([B, L, D]))
+    finally:
+        tf_memsafe.disable()
+    assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]
+    assert after <= limit < naive
+    for value, x in zip(got, (X, other)):
+        want = tf.function(fn, jit_compile=True)(x)
+        for g, w in zip(tf.nest.flatten(value), tf.nest.flatten(want)):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
