@@ -2,7 +2,7 @@
 
     python -m experiments.transformer.sweep [--preset cpu|gpu] [--quick] [--lengths 256 512 ...]
         [--limit 2GB] [--batch 1] [--modes forward train] [--train-lengths ...] [--repeats 3] [--max-run-length N]
-        [--data random|ted_hrlr] [--dropout RATE] [--keras 2|3] [--out experiments/results]
+        [--data random|ted_hrlr] [--dropout RATE] [--keras 2|3] [--pipeline step|tfdata] [--out experiments/results]
 
 For each sequence length L (context and target both L tokens) x {naive, tf_memsafe} x
 {forward, train}:
@@ -12,6 +12,12 @@ For each sequence length L (context and target both L tokens) x {naive, tf_memsa
 * ``train``: a user-written ``tf.function(jit_compile=True)`` with a ``GradientTape`` inside, the
   tutorial's masked loss and an Adam update (:func:`experiments.transformer.model.train_step`;
   ``training=True``).
+
+``--pipeline tfdata`` trains instead as the tutorial does (mode ``fit`` in place of ``train``): the
+model compiled with its masked loss and accuracy and warm-up Adam, ``fit(jit_compile=True)`` on padded
+``tf.data`` batches whose batch size and lengths Keras traces as ``None`` (:mod:`.fitting`); tf_memsafe
+plans that trace at nominal sizes, its loops reading the run's sizes.  Results go to
+``transformer_sweep[_keras3]_tfdata[_quick].*``.
 
 Dropout is off in every preset (rate 0: Keras' ``Dropout`` is then an identity).  ``--dropout RATE``
 turns the tutorial's dropout on (attention probabilities, feed-forward outputs, embeddings) and
@@ -72,6 +78,7 @@ import tensorflow as tf
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
 from experiments._results import OUT_HELP, results_dir
 from experiments.transformer import data as tdata
+from experiments.transformer import fitting
 from experiments.transformer import model as tmodel
 from grappler_ext.splitter import CANNOT_SPLIT
 from tf_memsafe import hook, xla_flags
@@ -105,7 +112,7 @@ PRESETS = {
 @dataclasses.dataclass
 class Row:
     preset: str
-    mode: str                       # "forward" or "train"
+    mode: str                       # "forward", "train" or "fit" (--pipeline tfdata)
     variant: str                    # "naive" or "tf_memsafe"
     length: int                     # L: context and target tokens per example
     batch: int
@@ -251,7 +258,7 @@ def plot(rows: list[Row], limit: int, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    colors = {"forward": "tab:blue", "train": "tab:orange"}
+    colors = {"forward": "tab:blue", "train": "tab:orange", "fit": "tab:green"}
     for mode in dict.fromkeys(r.mode for r in rows):
         for variant, style in zip(VARIANTS, ("--", "-")):
             sel = sorted((r for r in rows if r.mode == mode and r.variant == variant), key=lambda r: r.length)
@@ -355,6 +362,11 @@ def main(argv=None) -> int:
     parser.add_argument("--keras", type=int, choices=sorted(tmodel.KERAS_VERSIONS), default=2,
                         help="the Keras the model is written in: 2 (tf_keras, the tutorial's; default) or 3 (keras, "
                              "what tf.keras is on TF 2.21); results of 3 go to transformer_sweep_keras3.*")
+    parser.add_argument("--pipeline", choices=("step", "tfdata"), default="step",
+                        help="how training steps run: 'step' (a user-written jit step on one batch; default) or "
+                             "'tfdata' (the tutorial's compile and fit(jit_compile=True) on padded tf.data batches "
+                             "of unknown batch size and lengths: mode 'fit' instead of 'train'); results of "
+                             "'tfdata' go to transformer_sweep[_keras3]_tfdata.*")
     parser.add_argument("--out", help=OUT_HELP)
     args = parser.parse_args(argv)
     args.out = results_dir(args.out, args.quick)
@@ -395,20 +407,27 @@ def main(argv=None) -> int:
                         run_over_limit=args.run_over_limit)
             for mode in [mode for at, mode in cases if at == length]:
                 results = {}
+                fitted = (fitting.FitCase(config, args.keras, batch, length, limit, repeats, bool(dropout))
+                          if mode == "train" and args.pipeline == "tfdata" else None)
                 for variant in VARIANTS:
                     bar.set_postfix_str(f"L={length} {mode} {variant}")
                     may_run = cap is None or length <= cap
-                    fields, results[variant] = case.measure(mode, variant, repeats, may_run)
+                    if fitted is not None:
+                        measured = fitted.measure(variant, may_run)
+                        fields, results[variant] = measured.fields, measured.losses
+                    else:
+                        fields, results[variant] = case.measure(mode, variant, repeats, may_run)
                     drawn = dropout and mode == "train"        # other masks than the naive step's
                     err = (_rel_error(results[variant], results["naive"])
                            if variant == "tf_memsafe" and not drawn else None)
-                    rows.append(Row(preset=preset.name, mode=mode, variant=variant, length=length, batch=batch,
+                    rows.append(Row(preset=preset.name, mode="fit" if fitted else mode, variant=variant,
+                                    length=length, batch=batch,
                                     limit_bytes=limit, err_vs_naive=err, **fields))
                     bar.update()
             case.restore()
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "transformer_sweep" + ("_keras3" if args.keras == 3 else "")
-                        + ("_quick" if args.quick else ""))
+                        + ("_tfdata" if args.pipeline == "tfdata" else "") + ("_quick" if args.quick else ""))
     with open(stem + ".csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=[fld.name for fld in dataclasses.fields(Row)])
         writer.writeheader()
@@ -419,7 +438,7 @@ def main(argv=None) -> int:
             "train_lengths": sorted(train_lengths & set(lengths)) if "train" in args.modes else [],
             "limit_bytes": limit,
             "repeats": repeats, "max_run_length": cap, "data": data_note, "dropout": dropout_note,
-            "run_over_limit": args.run_over_limit,
+            "run_over_limit": args.run_over_limit, "pipeline": args.pipeline,
             "longest": longest(rows)}
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)

@@ -414,19 +414,27 @@ def _operand(inputs: Sequence[tf.Tensor], index: int) -> tf.Tensor | None:
     return inputs[index] if index < len(inputs) else None
 
 
-def _sizes(dims: Sequence[int | None], axis: int, chunk, dtype, operand: tf.Tensor | None = None) -> tf.Tensor:
+def _sizes(dims: Sequence[int | None], axis: int, chunk, dtype, operand: tf.Tensor | None = None,
+           like: tf.Tensor | None = None) -> tf.Tensor:
     """``dims`` with ``chunk`` at ``axis`` as a rebuilt op's shape operand: a constant where every
-    size is static; else stacked when the loop is built, a size known only at run time read from
-    ``operand`` (the op's own shape operand, read whole) and a chunk scaled at run time as it is
-    (:mod:`.scaling`).  XLA resolves it when it compiles."""
+    size is static; else stacked when the loop is built, a size known only at run time read from the
+    function's input sizes where it is a product of them (``like``: the tensor ``dims`` are of, under
+    the nominal sizes' table the loop is built with), else from ``operand`` (the op's own shape
+    operand, read whole), and a chunk scaled at run time as it is (:mod:`.scaling`).  XLA resolves it
+    when it compiles (sizes read from the function's inputs also inside loops, where a shape computed
+    in the program and passed in is not always a compile-time constant to it)."""
     if not isinstance(chunk, tf.Tensor) and all(d is not None for i, d in enumerate(dims) if i != axis):
         return tf.constant(_with_chunk(dims, axis, chunk), dtype=dtype)
+    state = shapes.symbolic() if like is not None else None
+    known = shapes.monomials(like) if state is not None else None
     parts = []
     for i, d in enumerate(dims):
         if i == axis:
             parts.append(tf.cast(chunk, dtype))
         elif d is not None:
             parts.append(tf.constant(int(d), dtype))
+        elif known is not None and known[i] is not None:
+            parts.append(tf.cast(state[0].run_value(known[i]), dtype))
         elif operand is None:
             raise ValueError(f"dimension {i} of {list(dims)} is known only at run time, and no operand gives it")
         else:
@@ -970,7 +978,8 @@ def _reshape(op, output_index, axis, factor: Factor = UNIT):
 
     def rebuild(op, inputs, chunk):
         # The static output shape with c on the axis: any -1 of the shape constant is resolved.
-        return [tf.reshape(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1)))]
+        return [tf.reshape(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1),
+                                             op.outputs[0]))]
 
     before = math.prod(outs[:axis])
     for b, n in enumerate(ins):
@@ -1178,7 +1187,8 @@ def _broadcast_to(op, output_index, axis):
     out_dims = _dims(op.outputs[0])
 
     def rebuild(op, inputs, chunk):
-        return [tf.broadcast_to(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1)))]
+        return [tf.broadcast_to(inputs[0], _sizes(out_dims, axis, chunk, op.inputs[1].dtype, _operand(inputs, 1),
+                                                  op.outputs[0]))]
 
     return Propagation((in_axis, None), (axis,), rebuild)
 
@@ -1189,7 +1199,8 @@ def _fill(op, output_index, axis):
     out_dims = _dims(op.outputs[0])
 
     def rebuild(op, inputs, chunk):
-        return [tf.fill(_sizes(out_dims, axis, chunk, op.inputs[0].dtype, _operand(inputs, 0)), inputs[1])]
+        return [tf.fill(_sizes(out_dims, axis, chunk, op.inputs[0].dtype, _operand(inputs, 0), op.outputs[0]),
+                        inputs[1])]
 
     return Propagation((None, None), (axis,), rebuild)
 
