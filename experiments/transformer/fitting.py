@@ -109,8 +109,8 @@ class FitCase:
         else:
             tf_memsafe.enable(self.limit, redraw_random=self.redraw_random)
 
-    def footprint(self, variant: str) -> tuple[int, float, list, list[str]]:
-        """``(XLA's figure, seconds to trace, tf_memsafe's records, its warnings)`` of the step ``fit``
+    def footprint(self, variant: str) -> tuple[int, float, list, list[str], str]:
+        """``(XLA's figure, seconds to trace, tf_memsafe's records, its warnings, its status)`` of the step ``fit``
         compiles for ``[B, L]`` batches, traced with the data set's ``None`` shapes (not run)."""
         step = tf.function(self.model.train_step, jit_compile=True, input_signature=[self.data.element_spec])
         first = next(iter(self.data))
@@ -126,13 +126,15 @@ class FitCase:
                 tf_memsafe.disable()
         with xla_flags.dump_for_one_compile() as folder:
             step.experimental_get_compiler_ir(first)(stage="optimized_hlo")
-            reports = xla_flags.memory_reports(folder)
-        if not reports:
+            figures = xla_flags.memory_reports(folder)
+        if not figures:
             raise tf_memsafe.MeasurementError("XLA wrote no memory-usage report (was tf_memsafe imported first?)")
-        records = [rec for r in hook.reports_since(mark) for rec in r.records]
+        reports = hook.reports_since(mark)
+        records = [rec for r in reports for rec in r.records]
+        status = "disabled" if variant == "naive" else reports[-1].status if reports else "not seen by tf_memsafe"
         said = [str(c.message) for c in caught
                 if issubclass(c.category, RuntimeWarning) and "tf_memsafe" in str(c.message)]
-        return sum(total for _, total in reports), trace_s, records, said
+        return sum(total for _, total in figures), trace_s, records, said, status
 
     def fit(self, variant: str) -> tuple[list[float], float, float, int]:
         """``fit`` for one epoch: ``(loss per batch, first batch's seconds, median of the others, XLA's
@@ -157,7 +159,7 @@ class FitCase:
 
     def measure(self, variant: str, may_run: bool) -> FitResult:
         """One variant's footprint, and its ``fit`` where within the limit and ``may_run``."""
-        footprint, trace_s, records, said = self.footprint(variant)
+        footprint, trace_s, records, said, status = self.footprint(variant)
         warned = list(dict.fromkeys(r.splitlines()[0][:300] for r in said))
         splits = [r for r in records if r.pass_name == "splitter" and r.action == "rewritten"]
         within = footprint <= self.limit
@@ -169,9 +171,7 @@ class FitCase:
             notes.append("not run: longer than --max-run-length")
         else:
             losses, first_s, seconds, figure = self.fit(variant)
-            notes.append(f"fit's compiled programs: {tf_memsafe.format_bytes(figure)} at most by XLA's figure")
-        status = "disabled" if variant == "naive" else ("split" if splits else "unchanged")
         fields = dict(footprint_bytes=footprint, within_limit=within, status=status, splits=len(splits),
                       split=splits[0].reason if splits else "", ran=losses is not None, seconds=seconds,
-                      first_call_s=first_s, trace_s=trace_s, note="; ".join(notes))
+                      first_call_s=first_s, trace_s=trace_s, note="; ".join(notes), fit_footprint_bytes=figure)
         return FitResult(fields, losses)

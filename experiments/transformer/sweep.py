@@ -128,6 +128,7 @@ class Row:
     trace_s: float                  # tracing (tf_memsafe's passes included)
     err_vs_naive: float | None      # see the module docstring
     note: str
+    fit_footprint_bytes: int | None = None      # mode fit: XLA's largest figure among the programs fit compiled
 
 
 # ---------------------------------------------------------------- measuring

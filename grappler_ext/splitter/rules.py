@@ -666,7 +666,8 @@ def _matrix_band_part(op, output_index, axis):
 def _band_part_slice(new_inputs, offset, split_rows: bool):
     x, lower, upper = new_inputs
     rank = x.shape.rank
-    rows, cols = x.shape[-2], x.shape[-1]
+    # (sizes known only at run time: read from the slice, whose shape XLA knows when it compiles)
+    rows, cols = (x.shape[i] if x.shape[i] is not None else tf.shape(x)[i] for i in (-2, -1))
     r = tf.range(rows, dtype=tf.int64)[:, None]                                  # [R, 1]
     c = tf.range(cols, dtype=tf.int64)[None, :]                                  # [1, C]
     shift = tf.cast(offset, tf.int64)
@@ -677,7 +678,7 @@ def _band_part_slice(new_inputs, offset, split_rows: bool):
     lower = tf.cast(lower, tf.int64)
     upper = tf.cast(upper, tf.int64)
     keep = tf.logical_and(tf.logical_or(lower < 0, r - c <= lower), tf.logical_or(upper < 0, c - r <= upper))
-    keep = tf.reshape(keep, [1] * (rank - 2) + [rows, cols])                     # [.., R, C]
+    keep = keep[(tf.newaxis,) * (rank - 2)]                                      # [.., R, C]
     return [tf.where(keep, x, tf.zeros([], x.dtype))]
 
 
