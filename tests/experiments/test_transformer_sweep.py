@@ -124,18 +124,16 @@ def test_keras3_model_with_dropout_is_split_and_equal(tmp_path):
 def test_tfdata_pipeline_fits_the_tutorials_way_within_the_limit(tmp_path, keras):
     """``--pipeline tfdata``: the model compiled with the masked loss and accuracy and warm-up Adam, and
     trained with ``fit(jit_compile=True)`` on padded batches of 4 whose sizes Keras traces as ``None``.
-    At L = 128 both variants fit and train to the same losses; at L = 256 the naive step is over the
-    8 MB limit (17 MB) and tf_memsafe's, planned at nominal sizes, is within it and trains, every
-    program ``fit`` compiles within the limit too."""
+    At L = 256 the naive step is over the 8 MB limit (17 MB, not run) and tf_memsafe's, planned at
+    nominal sizes, is within it and trains, every program ``fit`` compiles within the limit too.
+    (Losses of such a fit equal to the unsplit fit's: tests/integration/test_padded_batches.py.)"""
     assert sweep.main(["--quick", "--pipeline", "tfdata", "--modes", "train", "--batch", "4", "--keras", keras,
-                       "--lengths", "128", "256", "--out", str(tmp_path)]) == 0
+                       "--lengths", "256", "--out", str(tmp_path)]) == 0
     stem = "transformer_sweep" + ("_keras3" if keras == "3" else "") + "_tfdata_quick"
     meta = json.loads((tmp_path / f"{stem}.json").read_text())
     assert meta["pipeline"] == "tfdata" and set(meta["longest"]) == {"fit/naive", "fit/tf_memsafe", "fit/ratio"}
     rows = {(r["variant"], r["length"]): r for r in meta["rows"]}
     assert all(r["mode"] == "fit" for r in meta["rows"])
-    assert rows["naive", 128]["ran"] and rows["tf_memsafe", 128]["ran"]
-    assert rows["tf_memsafe", 128]["err_vs_naive"] < 1e-5
     naive, tfms = rows["naive", 256], rows["tf_memsafe", 256]
     assert not naive["within_limit"] and tfms["within_limit"] and tfms["ran"], tfms["note"]
     assert tfms["splits"] >= 1 and tfms["status"] == "rewritten"

@@ -101,37 +101,40 @@ def test_fit_on_padded_batches_is_split_within_the_limit(version):
 
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
-def test_an_encoder_layer_on_padded_batches_is_one_loop_within_an_eighth(version):
+def test_an_encoder_layer_on_padded_batches_is_split_along_its_sequence_within_an_eighth(version):
     """test_encoder_layer's layer (attention, a ``Dense`` pair on the 3-D activations, two layer norms)
     as a training step traced with ``input_signature=[TensorSpec([None, None, 64])]``: its ``Dense``
     layers merge the run-time batch and length into [B * L, ..] rows, read with ``tf.shape``.  One
-    loop along the sequence through the whole layer and its gradient, planned at nominal sizes:
-    within an eighth of the step's footprint at [4, 256] and at [2, 512] by XLA's figure, loss and
-    gradients equal to the unsplit step's at [4, 256] and [3, 77]."""
+    loop along the sequence through the whole layer and its gradient, planned at nominal sizes (and
+    with tf_keras one more along the batch, for what is left at those sizes):
+    within an eighth of the step's footprint at [4, 512] and at [2, 1024] by XLA's figure, loss and
+    gradients equal to the unsplit step's at [4, 512] and [3, 77]."""
     from tests.integration.test_encoder_layer import _encoder, _step
 
     layer, _ = _encoder(keras_of(version))
     step = _step(layer)
     batch = {shape: tf.constant(np.random.default_rng(shape[1]).standard_normal((*shape, D)), tf.float32)
-             for shape in ((4, 256), (3, 77))}
-    limit = tf_memsafe.memory_footprint(tf.function(step), batch[4, 256], rewrite=False) // 8
+             for shape in ((4, 512), (3, 77))}
+    limit = tf_memsafe.memory_footprint(tf.function(step), batch[4, 512], rewrite=False) // 8
     mark = hook.report_mark()
     tf_memsafe.enable(limit, strict=True)
     try:
         padded = tf.function(step, jit_compile=True, input_signature=[tf.TensorSpec([None, None, D])])
         got = {shape: padded(x) for shape, x in batch.items()}
         after = {shape: tf_memsafe.memory_footprint(padded, tf.TensorSpec([*shape, D]))
-                 for shape in ((4, 256), (2, 512))}
+                 for shape in ((4, 512), (2, 1024))}
     finally:
         tf_memsafe.disable()
     records = [r for r in hook.reports_since(mark)[0].records if r.pass_name == "splitter"]
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
-    assert records[0].code == Code.DYNAMIC_SHAPES and len(loops) == 1 and loops[0].dynamic, \
-        [r.reason for r in records]
+    # (tf_keras' plan adds a loop along the batch for what is left at its nominal sizes)
+    along = [p for p in loops if p.dynamic and p.roots[0].kind == "mean" and p.roots[0].input_axes[0] == 1]
+    assert records[0].code == Code.DYNAMIC_SHAPES and along and len(loops) <= 2, [r.reason for r in records]
     for shape, figure in after.items():
         assert figure <= limit, (shape, figure, limit)
     naive = tf.function(step, jit_compile=True)
     for shape, x in batch.items():
-        for g, w in zip(got[shape], naive(x)):        # float32 sums reassociated
-            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-4 * float(np.max(np.abs(w))),
+        # float32 sums reassociated; the keys' bias gradient is 0 up to rounding (softmax ignores it)
+        for g, w in zip(got[shape], naive(x)):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=max(1e-6, 1e-5 * float(np.max(np.abs(w)))),
                                        err_msg=str(shape))
