@@ -83,10 +83,12 @@ class _Times:
 
 
 class FitCase:
-    """The tutorial's model at one length, compiled the tutorial's way; both variants start from the
-    same weights and optimizer state."""
+    """The tutorial's model compiled the tutorial's way, measured at one length after another; both
+    variants start every run from the same weights and optimizer state.  Each variant's step is traced
+    (and, for tf_memsafe, rewritten) once, with the data set's ``None`` shapes, and compiled for each
+    length, as ``fit`` does."""
 
-    def __init__(self, config: tmodel.TransformerConfig, keras_version: int, batch: int, length: int, limit: int,
+    def __init__(self, config: tmodel.TransformerConfig, keras_version: int, batch: int, limit: int,
                  repeats: int, redraw_random: bool = False, seed: int = 0):
         self.keras = tmodel.keras_module(keras_version)
         self.keras.utils.set_random_seed(seed)
@@ -94,10 +96,15 @@ class FitCase:
         self.model.compile(optimizer=tmodel.tutorial_optimizer(config.d_model, keras_version),
                            loss=tmodel.masked_loss, metrics=[tmodel.masked_accuracy], jit_compile=True)
         self.model.optimizer.build(self.model.trainable_variables)
-        self.limit, self.redraw_random, self.batch, self.length = limit, redraw_random, batch, length
-        self.data = padded_data(batch, length, 1 + repeats, config.input_vocab_size, config.target_vocab_size, seed)
+        self.config, self.limit, self.redraw_random, self.batch = config, limit, redraw_random, batch
+        self.repeats, self.seed = repeats, seed
         self.variables = list(self.model.variables) + list(self.model.optimizer.variables)
         self.snapshot = [v.numpy() for v in self.variables]
+        self.traced: dict = {}          # variant -> (step, seconds to trace, records, warnings, status)
+
+    def data(self, length: int) -> tf.data.Dataset:
+        return padded_data(self.batch, length, 1 + self.repeats, self.config.input_vocab_size,
+                           self.config.target_vocab_size, self.seed)
 
     def _restore(self):
         for v, value in zip(self.variables, self.snapshot):
@@ -109,34 +116,40 @@ class FitCase:
         else:
             tf_memsafe.enable(self.limit, redraw_random=self.redraw_random)
 
-    def footprint(self, variant: str) -> tuple[int, float, list, list[str], str]:
-        """``(XLA's figure, seconds to trace, tf_memsafe's records, its warnings, its status)`` of the step ``fit``
-        compiles for ``[B, L]`` batches, traced with the data set's ``None`` shapes (not run)."""
-        step = tf.function(self.model.train_step, jit_compile=True, input_signature=[self.data.element_spec])
-        first = next(iter(self.data))
-        mark = hook.report_mark()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            self._enable(variant)
-            try:
-                start = time.perf_counter()
-                step.get_concrete_function()
-                trace_s = time.perf_counter() - start
-            finally:
-                tf_memsafe.disable()
+    def _trace(self, variant: str, spec) -> tuple:
+        if variant not in self.traced:
+            step = tf.function(self.model.train_step, jit_compile=True, input_signature=[spec])
+            mark = hook.report_mark()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._enable(variant)
+                try:
+                    start = time.perf_counter()
+                    step.get_concrete_function()
+                    trace_s = time.perf_counter() - start
+                finally:
+                    tf_memsafe.disable()
+            reports = hook.reports_since(mark)
+            records = [rec for r in reports for rec in r.records]
+            status = "disabled" if variant == "naive" else reports[-1].status if reports else "not seen by tf_memsafe"
+            said = [str(c.message) for c in caught
+                    if issubclass(c.category, RuntimeWarning) and "tf_memsafe" in str(c.message)]
+            self.traced[variant] = (step, trace_s, records, said, status)
+        return self.traced[variant]
+
+    def footprint(self, variant: str, length: int) -> tuple[int, float, list, list[str], str]:
+        """``(XLA's figure, seconds to trace, tf_memsafe's records, its warnings, its status)`` of the step
+        ``fit`` compiles for ``[B, L]`` batches, traced with the data set's ``None`` shapes (not run)."""
+        data = self.data(length)
+        step, trace_s, records, said, status = self._trace(variant, data.element_spec)
         with xla_flags.dump_for_one_compile() as folder:
-            step.experimental_get_compiler_ir(first)(stage="optimized_hlo")
+            step.experimental_get_compiler_ir(next(iter(data)))(stage="optimized_hlo")
             figures = xla_flags.memory_reports(folder)
         if not figures:
             raise tf_memsafe.MeasurementError("XLA wrote no memory-usage report (was tf_memsafe imported first?)")
-        reports = hook.reports_since(mark)
-        records = [rec for r in reports for rec in r.records]
-        status = "disabled" if variant == "naive" else reports[-1].status if reports else "not seen by tf_memsafe"
-        said = [str(c.message) for c in caught
-                if issubclass(c.category, RuntimeWarning) and "tf_memsafe" in str(c.message)]
         return sum(total for _, total in figures), trace_s, records, said, status
 
-    def fit(self, variant: str) -> tuple[list[float], float, float, int]:
+    def fit(self, variant: str, length: int) -> tuple[list[float], float, float, int]:
         """``fit`` for one epoch: ``(loss per batch, first batch's seconds, median of the others, XLA's
         largest figure among the programs compiled)``."""
         self._restore()
@@ -150,16 +163,16 @@ class FitCase:
         self._enable(variant)
         try:
             with xla_flags.dump_all_compiles() as folder:
-                self.model.fit(self.data, epochs=1, verbose=0, callbacks=[times.callback, Losses()])
+                self.model.fit(self.data(length), epochs=1, verbose=0, callbacks=[times.callback, Losses()])
                 figure = max((total for _, total in xla_flags.memory_reports(folder)), default=0)
         finally:
             tf_memsafe.disable()
         first, rest = times.times[0], times.times[1:]
         return losses, first, statistics.median(rest) if rest else first, figure
 
-    def measure(self, variant: str, may_run: bool) -> FitResult:
-        """One variant's footprint, and its ``fit`` where within the limit and ``may_run``."""
-        footprint, trace_s, records, said, status = self.footprint(variant)
+    def measure(self, variant: str, length: int, may_run: bool) -> FitResult:
+        """One variant's footprint at ``length``, and its ``fit`` where within the limit and ``may_run``."""
+        footprint, trace_s, records, said, status = self.footprint(variant, length)
         warned = list(dict.fromkeys(r.splitlines()[0][:300] for r in said))
         splits = [r for r in records if r.pass_name == "splitter" and r.action == "rewritten"]
         within = footprint <= self.limit
@@ -170,7 +183,7 @@ class FitCase:
         elif not may_run:
             notes.append("not run: longer than --max-run-length")
         else:
-            losses, first_s, seconds, figure = self.fit(variant)
+            losses, first_s, seconds, figure = self.fit(variant, length)
         fields = dict(footprint_bytes=footprint, within_limit=within, status=status, splits=len(splits),
                       split=splits[0].reason if splits else "", ran=losses is not None, seconds=seconds,
                       first_call_s=first_s, trace_s=trace_s, note="; ".join(notes), fit_footprint_bytes=figure)

@@ -398,6 +398,9 @@ def main(argv=None) -> int:
     optimizer = tmodel.tutorial_optimizer(config.d_model, keras_version=args.keras)
     optimizer.build(model.trainable_variables)
     rows: list[Row] = []
+    # (one model compiled the tutorial's way, its step traced once per variant for every length)
+    fit_case = (fitting.FitCase(config, args.keras, batch, limit, repeats, bool(dropout))
+                if args.pipeline == "tfdata" and "train" in args.modes else None)
     train_lengths = set(args.train_lengths or lengths)
     cases = [(length, mode) for length in lengths for mode in args.modes if mode != "train" or length in train_lengths]
     with tqdm(total=len(cases) * len(VARIANTS), desc="transformer sweep") as bar:
@@ -408,13 +411,12 @@ def main(argv=None) -> int:
                         run_over_limit=args.run_over_limit)
             for mode in [mode for at, mode in cases if at == length]:
                 results = {}
-                fitted = (fitting.FitCase(config, args.keras, batch, length, limit, repeats, bool(dropout))
-                          if mode == "train" and args.pipeline == "tfdata" else None)
+                fitted = fit_case if mode == "train" else None
                 for variant in VARIANTS:
                     bar.set_postfix_str(f"L={length} {mode} {variant}")
                     may_run = cap is None or length <= cap
                     if fitted is not None:
-                        measured = fitted.measure(variant, may_run)
+                        measured = fitted.measure(variant, length, may_run)
                         fields, results[variant] = measured.fields, measured.losses
                     else:
                         fields, results[variant] = case.measure(mode, variant, repeats, may_run)

@@ -352,7 +352,8 @@ def _scaling(options, ops, sliced_inputs: dict, whole: set, factors: dict, dynam
                                           "sizes could not be read as products of the function's input sizes")
     for option in options:
         for t in option.root.outputs:
-            if not t.shape.is_fully_defined() and shapes.monomials(t) is None:
+            if not t.shape.is_fully_defined() and shapes.monomials(t) is None and not reserve_space(t) and \
+                    t.dtype not in (tf.resource, tf.variant):
                 return Why(Code.DYNAMIC_AXIS, f"`{t.name}` has dimensions known only at run time that are not "
                                               "products of the function's input sizes")
     held = [ref.deref() for ref in list(sliced_inputs) + list(whole)] + [t for o in options for t in o.root.outputs]

@@ -274,7 +274,7 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         if kind is not None:
             return Refusal(f"`{op.type}` is a leaf ({kind}): slice its output instead of splitting through it")
     if op.type in RANDOM_DRAWS and reseed is not None:
-        dynamic = _dynamic_tensor(op)
+        dynamic = _drawn_dynamic(op)
         if dynamic is not None:
             return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")
         if not 0 <= axis < (op.outputs[0].shape.rank or 0) or output_index != 0:
@@ -289,7 +289,7 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
             return Refusal(f"cannot split through `{op.type}` ({op.name}): a slice of a random draw is not the draw "
                            "of a slice; enable tf_memsafe with redraw_random=True to allow other draws of the same "
                            "distribution (each slice then draws its own)")
-        dynamic = _dynamic_tensor(op)
+        dynamic = _drawn_dynamic(op)
         if dynamic is not None:
             return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")
         if not 0 <= axis < (op.outputs[0].shape.rank or 0) or output_index != 0:
@@ -350,19 +350,39 @@ def _dynamic_off_axis(op: tf.Operation, prop: Propagation, scaled: bool = False)
     return None
 
 
+def _drawn_dynamic(op: tf.Operation) -> str | None:
+    """Why a random draw of ``op``'s cannot be drawn again by slice for its shapes, or ``None``: its
+    shape must be static, or (planned with run-time sizes) a product of them (:func:`_draw_dims`)."""
+    dynamic = _dynamic_tensor(op)
+    if dynamic is None or (shapes.nominal_size() is not None and shapes.known_shape(op.outputs[0])):
+        return None
+    return dynamic
+
+
+def _draw_dims(op: tf.Operation) -> list | None:
+    """A draw's dimensions: its constant shape operand, or its static output shape where sizes known
+    only at run time are products of them (read when the loop is built: :func:`_sizes`)."""
+    shape = _const(op.inputs[0])
+    if shape is not None:
+        return [int(d) for d in np.asarray(shape).reshape(-1)]
+    if shapes.nominal_size() is not None and shapes.known_shape(op.outputs[0]):
+        return op.outputs[0].shape.as_list()
+    return None
+
+
 def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusal:
     """A slice of a random draw along ``axis``, drawn again (not the unsplit draw's slice)."""
-    shape = _const(op.inputs[0])
-    if shape is None:
+    dims = _draw_dims(op)
+    if dims is None:
         return _not_constant(op, "shape")
-    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
     salt = zlib.crc32(op.name.encode()) & 0x7FFFFFFF
     draw = RANDOM_DRAWS[op.type]
 
     def rebuild_at(op, inputs, chunk, offset):
         seed = reseed.tensor if reseed.tensor is not None else tf.zeros([2], tf.int64)
         key = seed + tf.stack([tf.constant(salt, tf.int64), tf.cast(offset, tf.int64)])
-        return [draw(_sizes(dims, axis, chunk, tf.int32), seed=key, dtype=op.get_attr("dtype"))]
+        return [draw(_sizes(dims, axis, chunk, tf.int32, _operand(inputs, 0), op.outputs[0]), seed=key,
+                     dtype=op.get_attr("dtype"))]
 
     return Propagation((None,), (axis,), rebuild_at=rebuild_at)
 
@@ -371,16 +391,16 @@ def _redraw_keyed(op: tf.Operation, axis: int) -> Propagation | Refusal:
     """A slice of a keyed stateless draw along ``axis``, drawn again with the op's key moved by the
     op's name and the slice's offset (the same in a slice's forward and its gradient's recomputation,
     another for every slice and op; the op's key, from the program, another for every call)."""
-    shape = _const(op.inputs[0])
-    if shape is None:
+    dims = _draw_dims(op)
+    if dims is None:
         return _not_constant(op, "shape")
-    dims = [int(d) for d in np.asarray(shape).reshape(-1)]
     salt = zlib.crc32(op.name.encode()) & 0x7FFFFFFF
 
     def rebuild_at(op, inputs, chunk, offset):
-        _, key, counter, alg = inputs
+        shape, key, counter, alg = inputs
         moved = tf.cast(tf.constant(salt, tf.int64) * (1 << 31) + tf.cast(offset, tf.int64) + 1, key.dtype)
-        return _clone(op, [_sizes(dims, axis, chunk, op.inputs[0].dtype), key + moved, counter, alg])
+        return _clone(op, [_sizes(dims, axis, chunk, op.inputs[0].dtype, shape, op.outputs[0]), key + moved, counter,
+                           alg])
 
     return Propagation((None,) * len(op.inputs), (axis,), rebuild_at=rebuild_at)
 
@@ -970,7 +990,8 @@ def _transpose(op, output_index, axis):
 # rows of a slice are the same flat indices, in the same order, on both sides.  Keras' Dense on
 # [B, L, D] reshapes to [B * L, D]: split along the batch, Factor(1, L) there (a contiguous run);
 # along the sequence, Factor(B, 1) (B runs).  An axis spread over two input axes ([6, 2] from
-# [3, 4]'s 3 and half of 4) is refused, as is a unit axis.
+# [3, 4]'s 3 and half of 4) is refused, as is a unit axis.  Sizes known only at run time (a padded
+# batch's B and L) are read as exact sizes (shapes.exact_dims): the same arithmetic, on products of them.
 @rule("Reshape")
 def _reshape(op, output_index, axis, factor: Factor = UNIT):
     in_dims, out_dims = _dims(op.inputs[0]), _dims(op.outputs[0])
