@@ -452,3 +452,36 @@ def test_factored_slices_and_joins_with_run_time_factors(outer, inner):
         array = array.write(s, factored_slice(t, 0, offset, chunk, run, clamped_slice))
     joined = join_slices(array, 0, None, tf.constant(outer * n * inner), run.outer)
     np.testing.assert_array_equal(joined.numpy(), t.numpy())
+
+
+@pytest.mark.parametrize("draw", ["stateful", "stateless"])
+def test_a_padded_batch_attention_with_dropout_draws_by_slice(draw):
+    """Dropout on a padded batch's attention probabilities, drawn statefully (``tf.nn.dropout``, as
+    tf_keras' ``Dropout``) or from a key (as Keras 3's): the draw's shape is [B, L, L] of run-time
+    sizes, computed with ``tf.shape``.  With ``redraw_random`` each slice draws its own mask of its
+    own shape, read from the function's input sizes: the step is split along the queries and keeps
+    its limit at shapes on both sides of the nominal ones (its values are other draws: not compared)."""
+    def dropped_step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            probs = tf.nn.softmax(tf.einsum("bqe,bke->bqk", x, x) / 4.0, -1)
+            if draw == "stateful":
+                probs = tf.nn.dropout(probs, 0.1)
+            else:
+                probs = tf.nn.experimental.stateless_dropout(probs, 0.1, seed=[1, 2])
+            loss = tf.reduce_sum(tf.sin(tf.einsum("bqk,bke->bqe", probs, x)))
+        return loss, tape.gradient(loss, x)
+
+    limit = tf_memsafe.memory_footprint(tf.function(attention_step), _batch(4, 512), rewrite=False) // 8
+    tf_memsafe.enable(limit, strict=True, redraw_random=True)
+    try:
+        f = tf.function(dropped_step, jit_compile=True, input_signature=PADDED)
+        loss, grad = f(_batch(2, 300))
+        records = _records("dropped_step")
+        after = {shape: tf_memsafe.memory_footprint(f, tf.TensorSpec([*shape, E])) for shape in ((4, 512), (2, 1024))}
+    finally:
+        tf_memsafe.disable()
+    assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]
+    assert np.isfinite(loss.numpy()) and grad.shape == (2, 300, E)
+    for shape, figure in after.items():
+        assert figure <= limit, (shape, figure, limit)
