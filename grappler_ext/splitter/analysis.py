@@ -433,7 +433,7 @@ def _length_of(t: tf.Tensor, axis: int, factor: Factor = UNIT):
     if exact is not None and exact[axis] is not None and shapes.monomials(t) is not None:
         return ("product", shapes.exact_monomial(exact[axis] // factor.rows(1)))
     if not factor.unit:
-        return (t.name, axis, str(factor))
+        return (t.name, axis)
     return length_source(t, axis)
 
 
