@@ -1,5 +1,6 @@
 """Where a benchmark writes, and its rows: one CSV column per field of its row dataclass, and a JSON copy;
-and how a row says two programs' outputs differ (:func:`max_rel_diff`).
+how a row says two programs' outputs differ (:func:`max_rel_diff`); and a Keras run's time per batch
+(:class:`StepTimes`).
 
 A full run writes to ``experiments/results`` (the committed results); a ``--quick`` smoke run to
 ``experiments/results/quick`` (ignored by git), so that trying the quick check never overwrites
@@ -12,8 +13,10 @@ import csv
 import dataclasses
 import json
 import os
+import time
 
-__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "RESULTS", "QUICK_RESULTS", "OUT_HELP"]
+__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "StepTimes", "RESULTS", "QUICK_RESULTS",
+           "OUT_HELP"]
 
 RESULTS = os.path.join("experiments", "results")
 QUICK_RESULTS = os.path.join(RESULTS, "quick")
@@ -58,3 +61,21 @@ def write_outputs(rows: list, row_type: type, stem: str, meta: dict) -> None:
         writer.writerows(dataclasses.asdict(r) for r in rows)
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump({**meta, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+class StepTimes:
+    """A Keras callback (``callback``) keeping the seconds of each training batch (``times``), for
+    either Keras (``keras``: the module the model is built with)."""
+
+    def __init__(self, keras):
+        outer = self
+        self.times: list[float] = []
+
+        class Callback(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                outer.start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                outer.times.append(time.perf_counter() - outer.start)
+
+        self.callback = Callback()

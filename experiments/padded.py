@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, machine_meta, results_dir, write_outputs
+from experiments._results import OUT_HELP, StepTimes, machine_meta, results_dir, write_outputs
 from experiments.transformer.model import keras_module
 from tf_memsafe import hook, xla_flags
 
@@ -77,23 +77,6 @@ def _data(length: int) -> tf.data.Dataset:
         output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32))).padded_batch(BATCH)
 
 
-class _StepTimes:
-    """Keras callback: the time of each training batch."""
-
-    def __init__(self, keras):
-        outer = self
-
-        class Callback(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                outer.start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                outer.times.append(time.perf_counter() - outer.start)
-
-        self.times: list[float] = []
-        self.callback = Callback()
-
-
 def _fit(version: str, length: int, limit: int | None) -> tuple:
     keras = keras_module(3 if version == "keras3" else 2)
     model, data = attention_classifier(keras), _data(length)
@@ -102,7 +85,7 @@ def _fit(version: str, length: int, limit: int | None) -> tuple:
         tf_memsafe.enable(limit)
     try:
         with xla_flags.dump_all_compiles() as folder:
-            steps = _StepTimes(keras)
+            steps = StepTimes(keras)
             start = time.perf_counter()
             first = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
             first_s = time.perf_counter() - start

@@ -354,15 +354,7 @@ def is_symbolic(size: int) -> bool:
 
 def exact_monomial(size: int) -> Monomial:
     """The monomial an exact size (:func:`exact_dims`) stands for."""
-    powers = []
-    for k, p in enumerate(_EXACT):
-        e = 0
-        while size % p == 0:
-            size //= p
-            e += 1
-        if e:
-            powers.append((k, e))
-    return (size, tuple(powers))
+    return _factored(size, len(_EXACT), _EXACT)
 
 
 def describe_exact(size: int) -> str:

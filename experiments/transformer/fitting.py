@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe
+from experiments._results import StepTimes
 from experiments.transformer import model as tmodel
 from experiments.transformer.data import PAD
 from tf_memsafe import hook, xla_flags
@@ -63,23 +64,6 @@ class FitResult:
 
     fields: dict
     losses: list[float] | None
-
-
-class _Times:
-    """A Keras callback's times per training batch."""
-
-    def __init__(self, keras):
-        outer = self
-        self.times: list[float] = []
-
-        class Callback(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                outer.start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                outer.times.append(time.perf_counter() - outer.start)
-
-        self.callback = Callback()
 
 
 class FitCase:
@@ -154,7 +138,7 @@ class FitCase:
         largest figure among the programs compiled)``."""
         self._restore()
         self.model.train_function = None            # traced again, by this variant (Keras caches it)
-        times, losses = _Times(self.keras), []
+        times, losses = StepTimes(self.keras), []
 
         class Losses(self.keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):

@@ -244,7 +244,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
             dim = op.outputs[k].shape[axis]
             if not factor.unit:
                 # (sizes known only at run time as exact products of them: shapes.exact_dims)
-                dim = (shapes.exact_dims(op.outputs[k]) or [None] * (axis + 1))[axis]
+                dim = shapes.exact_dims(op.outputs[k])[axis]
                 if dim is None:
                     return Why(Code.DYNAMIC_AXIS, f"`{op.name}` has a run-time length along the split axis, "
                                                   "reached through a reshape's factor, that is no product of the "
@@ -252,7 +252,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
                 if dim % factor.rows(1):
                     return Why(Code.REGION_CONFLICT, f"`{op.name}` has length {op.outputs[k].shape[axis]} along the "
                                                      f"split axis, not a multiple of the factor {factor}'s")
-                dim = None if shapes.is_symbolic(dim // factor.rows(1)) else dim // factor.rows(1)
+                dim //= factor.rows(1)
+                dim = None if shapes.is_symbolic(dim) else dim
             if length is _UNSET:
                 length = dim
             elif dim != length:

@@ -200,9 +200,10 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
         whole_env.update(derived or {})
         sliced: list = []
         cut = dynamic_slice if length is None else clamped_slice
+        factors = run_factors(region)           # (their run-time sizes read once a slice, not once an op)
         for t, v in zip(external, values if sliced_from is None else sliced_from):
             axis = region.sliced_inputs.get(t.ref())
-            factor = run_factor(region, t.ref())
+            factor = factors.get(t.ref(), UNIT)
             piece = None if axis is None else factored_slice(v, axis, offset, chunk, factor, cut)
             sliced.append(piece)
             if piece is not None:
@@ -217,7 +218,7 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
 
         for op in region.ops:
             inputs = [lookup(t, whole=a is None) for t, a in zip(op_inputs[op], region.input_axes[op])]
-            factor = run_factor(region, op)
+            factor = factors.get(op, UNIT)
             # (a rebuild that needs its offset is only ever the whole axis: analysis.grow)
             for old, new in zip(op.outputs, region.rebuild[op](op, inputs, factor.rows(chunk), offset * factor.inner)):
                 split_env[old.ref()] = new
@@ -261,6 +262,11 @@ def run_factor(region: Region, key) -> Factor:
     """Where the split axis lies in the axis of the region's op or sliced input ``key``, with its
     sizes as the function runs (:meth:`~.slicing.Factor.at_run`)."""
     return region.factors.get(key, UNIT).at_run(region.scaled.table if region.scaled is not None else None)
+
+
+def run_factors(region: Region) -> dict:
+    """:func:`run_factor` of every op and sliced input the region holds at a factor."""
+    return {key: run_factor(region, key) for key in region.factors}
 
 
 def _scaled(region: Region, length, chunks: Sequence[int], specs):

@@ -350,13 +350,17 @@ def _dynamic_off_axis(op: tf.Operation, prop: Propagation, scaled: bool = False)
     return None
 
 
+def _known_at_run(t: tf.Tensor) -> bool:
+    """Whether ``t``'s sizes known only at run time are products of the function's input sizes,
+    under planning with them (:func:`_sizes` reads them so when the loop is built)."""
+    return shapes.nominal_size() is not None and shapes.known_shape(t)
+
+
 def _drawn_dynamic(op: tf.Operation) -> str | None:
     """Why a random draw of ``op``'s cannot be drawn again by slice for its shapes, or ``None``: its
     shape must be static, or (planned with run-time sizes) a product of them (:func:`_draw_dims`)."""
     dynamic = _dynamic_tensor(op)
-    if dynamic is None or (shapes.nominal_size() is not None and shapes.known_shape(op.outputs[0])):
-        return None
-    return dynamic
+    return None if dynamic is None or _known_at_run(op.outputs[0]) else dynamic
 
 
 def _draw_dims(op: tf.Operation) -> list | None:
@@ -365,9 +369,7 @@ def _draw_dims(op: tf.Operation) -> list | None:
     shape = _const(op.inputs[0])
     if shape is not None:
         return [int(d) for d in np.asarray(shape).reshape(-1)]
-    if shapes.nominal_size() is not None and shapes.known_shape(op.outputs[0]):
-        return op.outputs[0].shape.as_list()
-    return None
+    return op.outputs[0].shape.as_list() if _known_at_run(op.outputs[0]) else None
 
 
 def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusal:
