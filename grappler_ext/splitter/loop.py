@@ -486,7 +486,12 @@ def _carried_through_prologue(outputs, grads, values, floating, own) -> list:
     carried = [(d, g) for d, g in zip(outputs, grads) if g is not None]
     sources = [k for k in range(len(values)) if floating[k]]
     if carried and sources:
-        more = tf.gradients([d for d, _ in carried], [values[k] for k in sources], grad_ys=[g for _, g in carried])
+        # Each input's own share, the others held fixed: an input computed from another outside the
+        # region (a decoder layer's input from the embedding through earlier loops) must not carry
+        # the other's gradient back through those loops too (counted twice, the loops' backward built
+        # a second time, its tensors held with the first's).
+        xs = [values[k] for k in sources]
+        more = tf.gradients([d for d, _ in carried], xs, grad_ys=[g for _, g in carried], stop_gradients=xs)
         for k, g in zip(sources, more):
             if g is not None:
                 g = tf.convert_to_tensor(g)

@@ -259,21 +259,24 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, regi
 
 
 def leaves(grown: Grown, beside: Beside) -> int:
-    """The most the rest of the program holds at any step, the region's tensors left out, if nothing
-    else were split (a loop over an attention's queries leaves the feed-forward block's [B, L, 4 D]
-    after it; one over the whole layer, none)."""
+    """The most the rest of the program holds at any step, the region's tensors left out, once the
+    other large tensors are split by their own loops (a loop over an attention's queries leaves the
+    feed-forward block's [B, L, 4 D] after it where that cannot be split; one over the whole layer,
+    none).  Not what the rest holds as traced: a region reaching on to the loss along the batch takes
+    in every layer, and no other loop can split what its loop body holds (a Transformer's step at
+    batch 8, one example a step at 2.7 GB, where loops along each layer's sequence reach 2.2 GB)."""
     schedule = beside.est.schedule
     if not schedule:
         return 0
-    return background(dataclasses.replace(beside, hoped=frozenset()), [0, len(schedule) - 1], grown)
+    return background(beside, [0, len(schedule) - 1], grown)
 
 
 def reaches_on(best: Planned, wider: Planned, tuning: Tuning, left: int) -> bool:
     """Whether a region reaching on from ``best``'s along the same axis (taking in all of it) is the
     better plan: one loop where there would be several, each with its own joined result and copies.
     So when it meets the limit; or, when it does not, if it needs at most ``Tuning.reach_on_margin``
-    more by the model than ``best`` does or than what ``best`` leaves for other loops (``left``,
-    :func:`leaves`)."""
+    more by the model than ``best`` does or than the rest holds beside ``best`` once the other large
+    tensors are split (``left``, :func:`leaves`)."""
     if not wider.chunks.splits:
         return False
     if wider.best_effort is None:
