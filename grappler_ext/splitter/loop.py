@@ -624,14 +624,15 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:
-    """A boolean scalar, true unless the first element of the first dense tensor of ``tensors`` is
-    NaN, that XLA cannot fold to a constant: what reads it waits for that tensor.  (An
-    ``IndexedSlices`` gradient is read through its values, never made dense.)"""
-    first = next((t for t in tensors if isinstance(t, tf.Tensor)), None)
-    if first is None:
-        first = tensors[0].values if isinstance(tensors[0], tf.IndexedSlices) else tf.convert_to_tensor(tensors[0])
-    anchor = tf.reshape(first, [-1])[:1]
-    return tf.reduce_all(tf.equal(anchor, anchor))
+    """A boolean scalar, true unless the first element of one of ``tensors`` is NaN, that XLA cannot
+    fold to a constant: what reads it waits for every one of them.  (Waiting for the first alone let
+    XLA compute a decoder's cross-attention keys and values, whose loop's first sliced input is the
+    function's own token ids, for every layer at the program's start: three layers' [B, L, H, K]
+    keys and values held at once.)  An ``IndexedSlices`` gradient is read through its values, never
+    made dense."""
+    dense = [t.values if isinstance(t, tf.IndexedSlices) else tf.convert_to_tensor(t) for t in tensors]
+    dense = [t for t in dense if t.dtype.is_floating or t.dtype.is_integer or t.dtype == tf.bool] or dense[:1]
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.equal(a, a)) for a in (tf.reshape(t, [-1])[:1] for t in dense)]))
 
 
 def _in_order(region, external, values, after) -> dict:

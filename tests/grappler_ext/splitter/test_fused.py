@@ -271,3 +271,19 @@ class TestMustNotFuse:
         assert plans and not any(p.fused for p in plans), [p.render() for p in plans]
         expected = step_fn(mse, weights)(X, TARGET)
         assert_close((value, grads), expected)
+
+
+
+def test_a_prologue_waits_for_every_input_it_is_ordered_after():
+    """The predicate a prologue's conditional waits on reads each tensor it is ordered after, not
+    only the first (a decoder's first sliced input is the function's token ids: its cross-attention
+    keys and values were computed for every layer at the program's start)."""
+    from grappler_ext import graph_query
+    from grappler_ext.splitter import loop
+
+    with tf.Graph().as_default():
+        tokens = tf.compat.v1.placeholder(tf.int32, [8])
+        hidden = tf.compat.v1.placeholder(tf.float32, [8, 4])
+        mask = tf.compat.v1.placeholder(tf.bool, [8])
+        predicate = loop._opaque_true([tokens, hidden, mask])
+        assert {tokens.op, hidden.op, mask.op} <= graph_query.ancestors([predicate])
