@@ -314,6 +314,8 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     length, first = chunks.length, chunks.chunk
     second = 2 * first if 2 * first <= length // 2 else first // 2
     unchanged = Sized(chunks, 0.0, Sizing.MODEL)
+    if grown.region.scaled is not None:        # (its chunk is scaled to each run's sizes: see .scaling)
+        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_RUN_TIME)
     if second < k or second == first:
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NO_SECOND_SIZE)
     try:

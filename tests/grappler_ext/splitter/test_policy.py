@@ -136,6 +136,18 @@ class TestCalibrated:
         chunks, sized = self.sized(region, fail)
         assert (sized.sizing, sized.detail, sized.chunks) == (Sizing.MODEL_MEASURE_FAILED, "MeasurementError", chunks)
 
+    def test_a_loop_over_run_time_sizes_is_sized_by_the_model_and_says_why(self, region):
+        """Its slices' sizes are known only at run time (its chunk is scaled to them): it is not
+        compiled alone, and the record says so rather than that a measurement failed."""
+        _, grown, _ = region
+        measured = []
+        grown.region.scaled = object()                  # (any Scaling: only its presence is read)
+        try:
+            chunks, sized = self.sized(region, lambda c: measured.append(c) or 10**5)
+        finally:
+            grown.region.scaled = None
+        assert (sized.sizing, sized.chunks, measured) == (Sizing.MODEL_RUN_TIME, chunks, [])
+
     def test_a_figure_that_does_not_grow_is_not_believed(self, region):
         chunks, sized = self.sized(region, lambda c: 10**6)
         assert sized.sizing == Sizing.MODEL_NOT_GROWING and sized.chunks == chunks
