@@ -632,7 +632,8 @@ def _opaque_true(tensors: Sequence) -> tf.Tensor:
     made dense."""
     dense = [t.values if isinstance(t, tf.IndexedSlices) else tf.convert_to_tensor(t) for t in tensors]
     dense = [t for t in dense if t.dtype.is_floating or t.dtype.is_integer or t.dtype == tf.bool] or dense[:1]
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.equal(a, a)) for a in (tf.reshape(t, [-1])[:1] for t in dense)]))
+    anchors = [tf.reshape(t, [-1])[:1] for t in dense]
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.equal(a, a)) for a in anchors]))
 
 
 def _in_order(region, external, values, after) -> dict:
