@@ -18,6 +18,8 @@ Public API:
 * :func:`memory_footprint` -- XLA's "Total bytes used" for a function's compiled program, compiled
   but not run; :func:`tape_footprint` -- the forward and backward programs it compiles to under a
   ``GradientTape``, each and their sum; :func:`peak_memory` -- the allocator's peak while running it;
+* :func:`relayout` -- DTensor's relayout with no device allocating more than its target shard
+  (Rink et al.'s bound); :func:`explain_relayout` and :class:`RelayoutReport` -- its plan;
 * errors: :class:`TfMemsafeError`, :class:`RewriteError`, :class:`UnsupportedTensorFlowError`.
 """
 
@@ -44,7 +46,8 @@ from tf_memsafe.memory import (  # noqa: E402
     peak_memory,
     tape_footprint,
 )
-from tf_memsafe.report import Report, explain  # noqa: E402
+from tf_memsafe.relayout import explain_relayout, relayout  # noqa: E402
+from tf_memsafe.report import RelayoutReport, Report, explain  # noqa: E402
 from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit  # noqa: E402
 
 __version__ = "0.1.0"
@@ -54,7 +57,7 @@ __all__ = [
     "MemoryLimit", "format_bytes", "reports", "TraceReport", "TfMemsafeError", "RewriteError",
     "UnsupportedTensorFlowError", "memory_footprint", "tape_footprint", "TapeFootprint", "peak_memory",
     "MeasurementError",
-    "explain", "Report",
+    "explain", "Report", "relayout", "explain_relayout", "RelayoutReport",
 ]
 
 _enable_lock = threading.Lock()

@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from grappler_ext.pass_base import Record
 from tf_memsafe import config, hook
 from tf_memsafe.memory import _fresh_function, memory_footprint
+from tf_memsafe.relayout_plan import RelayoutPlan
 from tf_memsafe.units import format_bytes
 
-__all__ = ["Report", "explain", "format_records"]
+__all__ = ["Report", "explain", "format_records", "RelayoutReport"]
 
 # At most this many op names per record in the table; the rest are counted ("+3 more").
 MAX_OPS_SHOWN = 3
@@ -192,3 +193,51 @@ def explain(fn, *args, **kwargs) -> Report:
         limit = hook.limit_bytes(config.current())
     return Report(_function_name(fn), limit, before, after, status, reason, records, middle - start, end - middle,
                   sum(timed) if timed else None)
+
+
+def _layout_text(specs) -> str:
+    return "(" + ", ".join(a if a is not None else "-" for a in specs) + ")"
+
+
+def _collective_text(c) -> str:
+    if c.source_dim is None:
+        return f"{c.kind.value} along {c.axis} (dimension {c.target_dim})"
+    if c.target_dim is None:
+        return f"{c.kind.value} over {c.axis} (dimension {c.source_dim})"
+    return f"{c.kind.value} over {c.axis} (dimension {c.source_dim} -> {c.target_dim})"
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayoutReport:
+    """What :func:`tf_memsafe.relayout` does with one tensor and layout: ``print`` it, or
+    ``to_dict()``; ``plan`` is the :class:`~tf_memsafe.relayout_plan.RelayoutPlan` itself."""
+
+    plan: RelayoutPlan
+    dtype: str
+
+    def to_dict(self) -> dict:
+        p = self.plan
+        return {"shape": list(p.shape), "dtype": self.dtype,
+                "mesh": dict(zip(p.mesh.names, p.mesh.sizes)), "source": list(p.source), "target": list(p.target),
+                "collectives": [{"kind": c.kind.value, "axis": c.axis, "source_dim": c.source_dim,
+                                 "target_dim": c.target_dim} for c in p.collectives],
+                "peak_bytes": p.peak_bytes, "bound_bytes": p.bound_bytes, "received_bytes": p.received_bytes,
+                "peak_over_bound": p.peak_over_bound}
+
+    def __str__(self) -> str:
+        p = self.plan
+        mesh = ", ".join(f"{n}={s}" for n, s in zip(p.mesh.names, p.mesh.sizes))
+        head = (f"tf_memsafe.relayout {self.dtype}[{','.join(map(str, p.shape))}] on mesh {mesh}: "
+                f"{_layout_text(p.source)} -> {_layout_text(p.target)}")
+        if p.identity:
+            return head + "\n  the layouts are equal: the tensor is returned as it is"
+        kept = sum(a.reuse for a in p.assemblies)
+        steps = ", ".join(_collective_text(c) for c in p.collectives)
+        lines = [head,
+                 f"  amounts to  {steps}",
+                 f"  each device builds its shard in one program: {format_bytes(p.target_shard_bytes)} "
+                 f"allocated, at most {format_bytes(p.received_bytes)} read from other devices"
+                 + (f"; {kept} of {len(p.assemblies)} keep their source shard" if kept else ""),
+                 f"  peak        {format_bytes(p.peak_bytes)} per device; bound (the larger shard) "
+                 f"{format_bytes(p.bound_bytes)}: {p.peak_over_bound:.2f}x"]
+        return "\n".join(lines)

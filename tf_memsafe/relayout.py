@@ -1,0 +1,184 @@
+"""``relayout(tensor, layout)``: DTensor's relayout, each device allocating no more than its target shard.
+
+    y = tf_memsafe.relayout(x, dtensor.Layout(["unsharded", "x"], mesh))   # same values as dtensor.relayout
+    print(tf_memsafe.explain_relayout(x, layout))                           # the plan, its peak, the bound
+
+DTensor moves an array between layouts by gathering along the axes that change and slicing after: on a
+2 x 4 mesh of CPU devices its relayout of f32[4096, 4096] from ``(x, y)`` to ``(y, x)`` allocates about
+16x the larger shard per device.  Here each device builds its target shard in one XLA program that reads
+the pieces of the source shards it needs (:mod:`tf_memsafe.relayout_plan` says which, and from which
+device) and concatenates them: XLA fuses the slices into the concatenation, so the program allocates
+its output and nothing else.  A device whose target box is its own source shard keeps it.
+
+Where it applies: eagerly, on a mesh of this process's CPU devices, whose shards share the host's memory
+(TensorFlow hands a tensor from one CPU device to another without copying it).  Elsewhere -- inside a
+``tf.function``, on a GPU or TPU mesh, on a mesh spanning several clients -- each device would first
+receive whole source shards, so the bound would not hold: ``relayout`` then calls ``dtensor.relayout``
+and warns once per reason, saying so.  Values are exactly DTensor's (the pieces are copied, not
+computed); the result is not differentiable (``tf.GradientTape`` does not see through ``unpack``):
+inside a differentiated computation use ``dtensor.relayout``.
+
+Each assembly program is compiled once per piece grid, dtype and shard shapes (the pieces' offsets are
+arguments), so the eight devices of a mesh share one program per layout pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import warnings
+
+import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla
+from tensorflow.experimental import dtensor
+
+from tf_memsafe import hook
+from tf_memsafe.relayout_plan import Assembly, Mesh, plan_relayout, shard_box
+from tf_memsafe.report import RelayoutReport
+
+__all__ = ["relayout", "explain_relayout"]
+
+_lock = threading.Lock()
+_assemblers: dict[tuple, tf.types.experimental.PolymorphicFunction] = {}
+_warned: set[str] = set()
+
+
+def _mesh(mesh: dtensor.Mesh) -> Mesh:
+    names = tuple(mesh.dim_names)
+    coords = tuple(tuple(int(loc[n]) for n in names) for loc in mesh.local_device_locations())
+    return Mesh(names, tuple(int(s) for s in mesh.shape()), coords)
+
+
+def _specs(layout: dtensor.Layout) -> tuple[str | None, ...]:
+    specs = tuple(layout.sharding_specs)
+    if dtensor.MATCH in specs:
+        raise ValueError(f"the target layout {list(specs)} has a {dtensor.MATCH!r} dimension: give every "
+                         f"dimension a mesh axis or {dtensor.UNSHARDED!r}")
+    return tuple(None if s == dtensor.UNSHARDED else s for s in specs)
+
+
+def _checked(tensor, layout) -> dtensor.Layout:
+    """The tensor's layout, after the checks that make a relayout well defined."""
+    if not isinstance(layout, dtensor.Layout):
+        raise TypeError(f"tf_memsafe.relayout takes a dtensor.Layout as its layout; got {type(layout).__name__}")
+    if not isinstance(tensor, tf.Tensor) or not dtensor.is_dtensor(tensor):
+        raise TypeError(f"tf_memsafe.relayout takes a DTensor (from dtensor.copy_to_mesh, dtensor.pack or a "
+                        f"function on DTensors); got {type(tensor).__name__}: put it on the mesh with "
+                        f"dtensor.copy_to_mesh(tensor, dtensor.Layout.replicated(mesh, rank)) first")
+    source = dtensor.fetch_layout(tensor)
+    if source.mesh != layout.mesh:
+        raise ValueError("the target layout is on another mesh than the tensor: a relayout keeps the mesh "
+                         "(dtensor.copy_to_mesh moves a tensor between meshes)")
+    if layout.rank != source.rank:
+        raise ValueError(f"the target layout has {layout.rank} dimensions; the tensor has {source.rank} "
+                         f"(shape {tensor.shape.as_list()})")
+    return source
+
+
+def explain_relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> RelayoutReport:
+    """What :func:`relayout` would do: ``print`` the result for the collectives it amounts to, each
+    device's allocation and traffic, the peak and Rink's bound; its ``plan`` holds every device's
+    assembly.  Raises as :func:`relayout` does on bad arguments; runs nothing."""
+    source = _checked(tensor, layout)
+    return RelayoutReport(plan_relayout(tensor.shape.as_list(), tensor.dtype.size, _specs(source), _specs(layout),
+                                        _mesh(layout.mesh)), tensor.dtype.name)
+
+
+def _fallback_reason(tensor: tf.Tensor, layout: dtensor.Layout) -> str | None:
+    if not tf.executing_eagerly():
+        return ("inside a tf.function DTensor expands the relayout itself (tf_memsafe.relayout runs "
+                "eagerly, between steps)")
+    mesh = layout.mesh
+    if mesh.device_type() != "CPU":
+        return (f"on a {mesh.device_type()} mesh each device would receive whole source shards "
+                f"(tf_memsafe.relayout assembles in place on host CPU meshes only)")
+    if dtensor.num_clients() > 1 or mesh.is_remote() or mesh.num_local_devices() != mesh.size:
+        return "the mesh spans several clients, whose shards this process cannot read"
+    if not tensor.shape.is_fully_defined() or tensor.shape.num_elements() == 0:
+        return "the tensor is empty or its shape is not fully known"
+    return None
+
+
+def _warn_once(reason: str) -> None:
+    with _lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(f"tf_memsafe.relayout used dtensor.relayout, whose peak per device may exceed the larger "
+                  f"shard: {reason}.", RuntimeWarning, stacklevel=3)
+
+
+def _offsets(sizes: tuple[tuple[int, ...], ...], grid: tuple[int, ...]) -> list[list[int]]:
+    """Where each piece (listed in row-major order of ``grid``, with ``sizes``) starts in the shard."""
+    starts = []
+    for dim, n in enumerate(grid):
+        stride = math.prod(grid[dim + 1:])
+        lengths = [sizes[i * stride][dim] for i in range(n)]
+        starts.append([sum(lengths[:i]) for i in range(n)])
+    return [[starts[dim][idx] for dim, idx in enumerate(cell)]
+            for cell in itertools.product(*(range(n) for n in grid))]
+
+
+def _assembler(assembly: Assembly, dtype: tf.DType, part_shapes: tuple[tuple[int, ...], ...]):
+    """The compiled program building one device's shard from its pieces' holders' shards and the pieces'
+    offsets in them; shared by every assembly with the same piece sizes, dtype and holder shapes."""
+    sizes = tuple(tuple(hi - lo for lo, hi in p.box) for p in assembly.pieces)
+    key = (assembly.grid, sizes, dtype, part_shapes)
+    with _lock:
+        fn = _assemblers.get(key)
+        if fn is None:
+            shape = [sum(size[dim] for size, start in zip(sizes, _offsets(sizes, assembly.grid))
+                         if all(s == 0 for d, s in enumerate(start) if d != dim)) for dim in range(len(sizes[0]))]
+            offsets = _offsets(sizes, assembly.grid)
+
+            def assemble(parts, begins):
+                # The first piece padded to the shard's shape, then every other piece written into it in
+                # place: XLA updates a dynamic-update-slice's operand where it stands and fuses the slice
+                # into it.  (A concatenation would not fuse its operands on XLA:CPU, and a zero-filled
+                # start would be folded into a constant as large as the shard.)
+                pieces = [xla.dynamic_slice(part, begins[k], size) for k, (part, size) in enumerate(zip(parts, sizes))]
+                shard = tf.pad(pieces[0], [[0, n - m] for n, m in zip(shape, sizes[0])])
+                for k in range(1, len(pieces)):
+                    shard = xla.dynamic_update_slice(shard, pieces[k], tf.constant(offsets[k], tf.int64))
+                return shard
+
+            fn = _assemblers[key] = tf.function(assemble, jit_compile=True, autograph=False)
+    return fn
+
+
+def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+    """``dtensor.relayout(tensor, layout)``, with no device allocating more than its target shard.
+
+    Raises:
+      TypeError: ``tensor`` is not a DTensor, or ``layout`` not a ``dtensor.Layout``.
+      ValueError: the layout is on another mesh, has another rank, or does not divide the shape.
+    Warns (``RuntimeWarning``, once per reason) and returns ``dtensor.relayout``'s result where the bound
+    cannot be kept this way (see the module's docstring).
+    """
+    source = _checked(tensor, layout)
+    if source == layout:
+        return tensor
+    reason = _fallback_reason(tensor, layout)
+    if reason is not None:
+        _warn_once(reason)
+        return dtensor.relayout(tensor, layout)
+    plan = plan_relayout(tensor.shape.as_list(), tensor.dtype.size, _specs(source), _specs(layout),
+                         _mesh(layout.mesh))
+    parts = dtensor.unpack(tensor)
+    devices = layout.mesh.local_devices()
+    shards = []
+    with hook.suspended():                   # our own programs are not the user's to rewrite
+        for a in plan.assemblies:
+            if a.reuse:
+                shards.append(parts[a.device])
+                continue
+            holders = [p.holder for p in a.pieces]
+            begins = [[lo - held_lo for (lo, _), (held_lo, _)
+                       in zip(p.box, shard_box(plan.shape, plan.source, plan.mesh, p.holder))]
+                      for p in a.pieces]
+            fn = _assembler(a, tensor.dtype, tuple(tuple(parts[h].shape.as_list()) for h in holders))
+            with tf.device(devices[a.device]):
+                shards.append(fn([parts[h] for h in holders], tf.constant(begins, tf.int64)))
+    return dtensor.pack(shards, layout)
+
