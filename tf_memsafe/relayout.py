@@ -58,10 +58,16 @@ def _specs(layout: dtensor.Layout) -> tuple[str | None, ...]:
     return tuple(None if s == dtensor.UNSHARDED else s for s in specs)
 
 
-def _checked(tensor, layout) -> dtensor.Layout:
-    """The tensor's layout, after the checks that make a relayout well defined."""
+def _check_layout(layout) -> None:
     if not isinstance(layout, dtensor.Layout):
         raise TypeError(f"tf_memsafe.relayout takes a dtensor.Layout as its layout; got {type(layout).__name__}")
+
+
+def _checked(tensor, layout) -> dtensor.Layout:
+    """The tensor's layout, after the checks that make a relayout well defined (eagerly)."""
+    _check_layout(layout)
+    if not tf.executing_eagerly():
+        raise RuntimeError("tf_memsafe.explain_relayout runs eagerly: call it outside the tf.function")
     if not isinstance(tensor, tf.Tensor) or not dtensor.is_dtensor(tensor):
         raise TypeError(f"tf_memsafe.relayout takes a DTensor (from dtensor.copy_to_mesh, dtensor.pack or a "
                         f"function on DTensors); got {type(tensor).__name__}: put it on the mesh with "
@@ -85,10 +91,11 @@ def explain_relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> RelayoutRepor
                                         _mesh(layout.mesh)), tensor.dtype.name)
 
 
-def _fallback_reason(tensor: tf.Tensor, layout: dtensor.Layout) -> str | None:
-    if not tf.executing_eagerly():
-        return ("inside a tf.function DTensor expands the relayout itself (tf_memsafe.relayout runs "
+_IN_FUNCTION = ("inside a tf.function DTensor expands the relayout itself (tf_memsafe.relayout runs "
                 "eagerly, between steps)")
+
+
+def _fallback_reason(tensor: tf.Tensor, layout: dtensor.Layout) -> str | None:
     mesh = layout.mesh
     if mesh.device_type() != "CPU":
         return (f"on a {mesh.device_type()} mesh each device would receive whole source shards "
@@ -156,6 +163,10 @@ def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
     Warns (``RuntimeWarning``, once per reason) and returns ``dtensor.relayout``'s result where the bound
     cannot be kept this way (see the module's docstring).
     """
+    _check_layout(layout)
+    if not tf.executing_eagerly():
+        _warn_once(_IN_FUNCTION)
+        return dtensor.relayout(tensor, layout)
     source = _checked(tensor, layout)
     if source == layout:
         return tensor

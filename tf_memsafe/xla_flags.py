@@ -412,6 +412,33 @@ def memory_reports(folder: str) -> list[tuple[str, int]]:
     return [(module, total) for _, module, total in sorted(found)]
 
 
+
+_ASSIGNMENT_RE = re.compile(r"^module_(\d+)\.(.+?)\.\S*after_optimizations-buffer-assignment\.txt$")
+_ALLOCATION_RE = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.MULTILINE)
+
+
+def allocated_reports(folder: str) -> list[tuple[str, int]]:
+    """``(module name, bytes)`` of every buffer assignment in ``folder``, in compile order: what the
+    program allocates itself -- its outputs, temporaries and constants -- not counting the parameters
+    it is handed (which "Total bytes used" includes)."""
+    found = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        m = _ASSIGNMENT_RE.match(name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue
+        own = sum(int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter"))
+        found.append((int(m.group(1)), m.group(2), own))
+    return [(module, own) for _, module, own in sorted(found)]
+
 # --- Validation in a child process, cached per TensorFlow build -----------------------------------
 
 _PROBE = "import tensorflow as tf; tf.function(lambda a: a + 1.0, jit_compile=True)(tf.ones([2])); print('ok')"
