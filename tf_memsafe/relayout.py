@@ -24,6 +24,7 @@ arguments), so the eight devices of a mesh share one program per layout pair.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -154,6 +155,17 @@ def _assembler(assembly: Assembly, dtype: tf.DType, part_shapes: tuple[tuple[int
     return fn
 
 
+@functools.lru_cache(maxsize=256)
+def _plan_and_offsets(shape: tuple[int, ...], itemsize: int, source, target, mesh: Mesh):
+    """The plan, and each piece's offsets in its holder's shard, per assembly (cached: a training loop
+    relayouts the same shapes every step)."""
+    plan = plan_relayout(shape, itemsize, source, target, mesh)
+    begins = tuple(tuple(tuple(lo - held_lo for (lo, _), (held_lo, _)
+                               in zip(p.box, shard_box(shape, source, mesh, p.holder))) for p in a.pieces)
+                   for a in plan.assemblies)
+    return plan, begins
+
+
 def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
     """``dtensor.relayout(tensor, layout)``, with no device allocating more than its target shard.
 
@@ -174,22 +186,22 @@ def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
     if reason is not None:
         _warn_once(reason)
         return dtensor.relayout(tensor, layout)
-    plan = plan_relayout(tensor.shape.as_list(), tensor.dtype.size, _specs(source), _specs(layout),
-                         _mesh(layout.mesh))
+    plan, begins = _plan_and_offsets(tuple(tensor.shape.as_list()), tensor.dtype.size, _specs(source),
+                                     _specs(layout), _mesh(layout.mesh))
     parts = dtensor.unpack(tensor)
     devices = layout.mesh.local_devices()
     shards = []
     with hook.suspended():                   # our own programs are not the user's to rewrite
-        for a in plan.assemblies:
+        for a, offsets in zip(plan.assemblies, begins):
             if a.reuse:
                 shards.append(parts[a.device])
                 continue
-            holders = [p.holder for p in a.pieces]
-            begins = [[lo - held_lo for (lo, _), (held_lo, _)
-                       in zip(p.box, shard_box(plan.shape, plan.source, plan.mesh, p.holder))]
-                      for p in a.pieces]
-            fn = _assembler(a, tensor.dtype, tuple(tuple(parts[h].shape.as_list()) for h in holders))
             with tf.device(devices[a.device]):
-                shards.append(fn([parts[h] for h in holders], tf.constant(begins, tf.int64)))
+                if a.leading_slice:          # a range of rows of its own shard: TensorFlow shares the buffer
+                    shards.append(tf.slice(parts[a.device], offsets[0], [hi - lo for lo, hi in a.box]))
+                    continue
+                holders = [p.holder for p in a.pieces]
+                fn = _assembler(a, tensor.dtype, tuple(tuple(parts[h].shape.as_list()) for h in holders))
+                shards.append(fn([parts[h] for h in holders], tf.constant(offsets, tf.int64)))
     return dtensor.pack(shards, layout)
 

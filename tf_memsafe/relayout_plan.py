@@ -112,6 +112,8 @@ class Assembly:
       grid: the number of pieces along each dimension; ``pieces`` lists them in row-major order, so
         the shard is their concatenation along the last dimension, then the one before, and so on.
       reuse: the target box is this device's own source shard: it is kept, nothing is allocated.
+      leading_slice: the target box is a range of its own source shard's first dimension (all others
+        whole): a contiguous view of it, which a runtime may hand out without copying.
     """
 
     device: int
@@ -119,6 +121,7 @@ class Assembly:
     grid: tuple[int, ...]
     pieces: tuple[Piece, ...]
     reuse: bool
+    leading_slice: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +131,8 @@ class RelayoutPlan:
     ``source`` and ``target`` give each dimension's mesh axis (``None``: not sharded).  Sizes are per
     device, in bytes: ``peak_bytes`` is the most any device allocates (its target shard, or nothing
     where it keeps its source shard); ``bound_bytes`` Rink's bound, the larger of the two shards;
-    ``received_bytes`` the most any device reads from other devices.
+    ``received_bytes`` the most any device reads from other devices.  ``peak_bytes`` counts a leading
+    slice as a copy: an upper bound where the runtime shares the buffer.
     """
 
     shape: tuple[int, ...]
@@ -257,6 +261,9 @@ def plan_relayout(shape: Sequence[int], itemsize: int, source: Sequence[str | No
         cuts = [_cuts(iv, n, axis, mesh) for iv, n, axis in zip(box, shape, source)]
         pieces = () if reuse else tuple(Piece(_holder(b, device, shape, source, mesh), b)
                                         for b in itertools.product(*cuts))
-        assemblies.append(Assembly(device, box, tuple(len(c) for c in cuts), pieces, reuse))
+        own = shard_box(shape, source, mesh, device)
+        leading = (not reuse and len(pieces) == 1 and pieces[0].holder == device
+                   and all(b == o for b, o in zip(box[1:], own[1:])))
+        assemblies.append(Assembly(device, box, tuple(len(c) for c in cuts), pieces, reuse, leading))
     return RelayoutPlan(shape, int(itemsize), mesh, source, target, _collectives(source, target, mesh),
                         tuple(assemblies))

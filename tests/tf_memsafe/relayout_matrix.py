@@ -66,7 +66,8 @@ def main() -> int:
                          "equal": all(np.array_equal(a, s.numpy()) for a, s in zip(expected, dtensor.unpack(got))),
                          "same_layout": dtensor.fetch_layout(got) == layout(target),
                          "plan_peak_over_bound": report.plan.peak_over_bound,
-                         "programs": len(programs), "target_shard_bytes": report.plan.target_shard_bytes,
+                         "programs": len(programs),
+                         "assembled": sum(not (a.reuse or a.leading_slice) for a in report.plan.assemblies), "target_shard_bytes": report.plan.target_shard_bytes,
                          "xla_allocated_max": max(programs, default=0),
                          "measured_peak_over_bound": used / 8 / report.plan.bound_bytes})
             del got, x

@@ -39,7 +39,10 @@ def test_each_devices_program_allocates_its_target_shard_and_nothing_more(matrix
         if p["source"] == p["target"]:
             assert p["programs"] == 0, where                 # returned as it is
             continue
-        assert 1 <= p["programs"] <= 8, where
+        assert p["programs"] == p["assembled"], where        # one program per device that assembles
+        if p["assembled"] == 0:                               # rows of its own shard: a view, no copy
+            assert p["dtype"] != "float32" or p["measured_peak_over_bound"] < 0.01, where
+            continue
         # XLA's buffer assignment: the output and a few bytes of scalars, never a gathered copy.
         assert p["target_shard_bytes"] <= p["xla_allocated_max"] <= p["target_shard_bytes"] + 1024, where
 
