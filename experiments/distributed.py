@@ -36,7 +36,7 @@ import time
 from experiments._results import OUT_HELP, results_dir
 
 MATRIX, VECTOR, REPEATS = (4096, 4096), (1 << 24,), 7
-QUICK_MATRIX, QUICK_VECTOR, QUICK_REPEATS = (512, 1024), (1 << 18,), 3
+QUICK_MATRIX, QUICK_VECTOR, QUICK_REPEATS = (256, 512), (1 << 16,), 2
 MESH = (("x", 2), ("y", 4))
 
 
@@ -147,7 +147,7 @@ def plot(rows: list[Row], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small arrays, three repeats: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="small arrays, two repeats: a smoke run")
     parser.add_argument("--out", default=None, help=OUT_HELP)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

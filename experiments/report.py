@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import traceback
@@ -344,6 +345,27 @@ def wide_layer_lines(data: dict) -> list[str]:
                        "written in place", "step", "first call", "rel. diff"], body)]
 
 
+def distributed_lines(data: dict) -> list[str]:
+    from experiments import distributed
+
+    rows = [distributed.Row(**r) for r in data["relayout"]]
+    worst = max(rows, key=lambda r: r.peak_over_bound, default=None)
+    body = [[r.shape, r.source, r.target, r.collectives, m.fmt_bytes(r.bound_bytes),
+             m.num(r.peak_over_bound, ".2f"), m.num(r.allocator_over_bound, ".2f"),
+             m.num(r.dtensor_allocator_over_bound, ".2f"), f"{r.time_s * 1e3:.3g} ms / {r.dtensor_time_s * 1e3:.3g} ms",
+             m.num(r.time_ratio, ".2f"), "yes" if r.equal else "**NO**"] for r in rows]
+    summary = (f"Worst tf_memsafe peak {worst.peak_over_bound:.2f}x the bound ({worst.source} -> {worst.target}); "
+               f"DTensor's allocator figure up to {max(r.dtensor_allocator_over_bound for r in rows):.1f}x; "
+               f"time ratio median {statistics.median(r.time_ratio for r in rows):.2f}, "
+               f"worst {max(r.time_ratio for r in rows):.2f}." if rows else "No rows.")
+    return [f"Mesh {data.get('mesh')}, {data.get('how', '')}; median of {data.get('repeats')} warm calls. "
+            "Per-device peak over the bound (max of the source and target shards): tf_memsafe's exact per device "
+            "(XLA's buffer assignment of each device's program), and the shared allocator's mean over the eight "
+            "devices for both. " + summary, "",
+            *md_table(["shape", "source", "target", "amounts to", "bound", "peak/bound", "allocator/bound",
+                       "DTensor allocator/bound", "time (ours / DTensor)", "ratio", "equal"], body)]
+
+
 def compile_time_lines(data: dict) -> list[str]:
     from experiments import compile_time
 
@@ -442,6 +464,10 @@ EXPERIMENTS = (
                "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "
                "limit, the longest L within it, and the time per step where it ran.", transformer_lines,
                quick_stem="transformer_sweep_quick"),
+    Experiment("distributed", "Relayout between DTensor layouts", "experiments.distributed", "distributed",
+               "`tf_memsafe.relayout` against `dtensor.relayout` for every pair of layouts of a matrix and a vector "
+               "on a 2 x 4 mesh of CPU devices: memory per device over Rink et al.'s bound (the larger of the "
+               "source and target shards), time, values.", distributed_lines),
 )
 
 

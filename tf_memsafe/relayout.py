@@ -132,12 +132,11 @@ def _assembler(assembly: Assembly, dtype: tf.DType, part_shapes: tuple[tuple[int
     """The compiled program building one device's shard from its pieces' holders' shards and the pieces'
     offsets in them; shared by every assembly with the same piece sizes, dtype and holder shapes."""
     sizes = tuple(tuple(hi - lo for lo, hi in p.box) for p in assembly.pieces)
-    key = (assembly.grid, sizes, dtype, part_shapes)
+    shape = tuple(hi - lo for lo, hi in assembly.box)
+    key = (assembly.grid, sizes, shape, dtype, part_shapes)
     with _lock:
         fn = _assemblers.get(key)
         if fn is None:
-            shape = [sum(size[dim] for size, start in zip(sizes, _offsets(sizes, assembly.grid))
-                         if all(s == 0 for d, s in enumerate(start) if d != dim)) for dim in range(len(sizes[0]))]
             offsets = _offsets(sizes, assembly.grid)
 
             def assemble(parts, begins):
@@ -156,14 +155,31 @@ def _assembler(assembly: Assembly, dtype: tf.DType, part_shapes: tuple[tuple[int
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_and_offsets(shape: tuple[int, ...], itemsize: int, source, target, mesh: Mesh):
-    """The plan, and each piece's offsets in its holder's shard, per assembly (cached: a training loop
-    relayouts the same shapes every step)."""
-    plan = plan_relayout(shape, itemsize, source, target, mesh)
-    begins = tuple(tuple(tuple(lo - held_lo for (lo, _), (held_lo, _)
-                               in zip(p.box, shard_box(shape, source, mesh, p.holder))) for p in a.pieces)
-                   for a in plan.assemblies)
-    return plan, begins
+def _program(shape: tuple[int, ...], dtype: tf.DType, source, target, mesh: Mesh, devices: tuple[str, ...],
+             part_shape: tuple[int, ...]):
+    """The plan, and a function running every device's assembly at once (TensorFlow's executor runs the
+    devices' programs side by side, as DTensor's own relayout does).  Cached: a training loop relayouts
+    the same shapes every step."""
+    plan = plan_relayout(shape, dtype.size, source, target, mesh)
+    work = []
+    for a in plan.assemblies:
+        if a.reuse:
+            continue
+        begins = [[lo - held_lo for (lo, _), (held_lo, _) in zip(p.box, shard_box(shape, source, mesh, p.holder))]
+                  for p in a.pieces]
+        work.append((a, begins, None if a.leading_slice else _assembler(a, dtype, (part_shape,) * len(a.pieces))))
+
+    def run(parts):
+        shards = []
+        for a, begins, assemble in work:
+            with tf.device(devices[a.device]):
+                if assemble is None:         # a range of rows of its own shard: TensorFlow shares the buffer
+                    shards.append(tf.slice(parts[a.device], begins[0], [hi - lo for lo, hi in a.box]))
+                else:
+                    shards.append(assemble([parts[p.holder] for p in a.pieces], tf.constant(begins, tf.int64)))
+        return shards
+
+    return plan, tf.function(run, autograph=False)
 
 
 def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
@@ -186,22 +202,12 @@ def relayout(tensor: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
     if reason is not None:
         _warn_once(reason)
         return dtensor.relayout(tensor, layout)
-    plan, begins = _plan_and_offsets(tuple(tensor.shape.as_list()), tensor.dtype.size, _specs(source),
-                                     _specs(layout), _mesh(layout.mesh))
     parts = dtensor.unpack(tensor)
-    devices = layout.mesh.local_devices()
-    shards = []
+    devices = tuple(layout.mesh.local_devices())
+    plan, run = _program(tuple(tensor.shape.as_list()), tensor.dtype, _specs(source), _specs(layout),
+                         _mesh(layout.mesh), devices, tuple(parts[0].shape.as_list()))
     with hook.suspended():                   # our own programs are not the user's to rewrite
-        for a, offsets in zip(plan.assemblies, begins):
-            if a.reuse:
-                shards.append(parts[a.device])
-                continue
-            with tf.device(devices[a.device]):
-                if a.leading_slice:          # a range of rows of its own shard: TensorFlow shares the buffer
-                    shards.append(tf.slice(parts[a.device], offsets[0], [hi - lo for lo, hi in a.box]))
-                    continue
-                holders = [p.holder for p in a.pieces]
-                fn = _assembler(a, tensor.dtype, tuple(tuple(parts[h].shape.as_list()) for h in holders))
-                shards.append(fn([parts[h] for h in holders], tf.constant(offsets, tf.int64)))
+        built = iter(run(parts))
+    shards = [parts[a.device] if a.reuse else next(built) for a in plan.assemblies]
     return dtensor.pack(shards, layout)
 

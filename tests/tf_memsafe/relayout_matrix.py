@@ -67,7 +67,8 @@ def main() -> int:
                          "same_layout": dtensor.fetch_layout(got) == layout(target),
                          "plan_peak_over_bound": report.plan.peak_over_bound,
                          "programs": len(programs),
-                         "assembled": sum(not (a.reuse or a.leading_slice) for a in report.plan.assemblies), "target_shard_bytes": report.plan.target_shard_bytes,
+                         "assembled": sum(not (a.reuse or a.leading_slice) for a in report.plan.assemblies),
+                         "target_shard_bytes": report.plan.target_shard_bytes,
                          "xla_allocated_max": max(programs, default=0),
                          "measured_peak_over_bound": used / 8 / report.plan.bound_bytes})
             del got, x
