@@ -435,7 +435,8 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     axes = [a if f else None for a, f in zip(axes, floating)]
     read_whole = [w and f for w, f in zip(read_whole, floating)]
     # Carry: a TensorArray per input read sliced (joined after the loop), a sum per input read whole.
-    carry0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(external, axes) if a is not None]
+    carry0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
+              for t, a in zip(external, axes) if a is not None]
     # The sums start from zeros XLA cannot create before the upstream gradients exist (a constant
     # zero buffer is allocated at the program's start and held: 24 of [L, 8, 128] in a Transformer).
     anchor = _opaque_true([u for u in upstream if u is not None] or [v for v in values if v.dtype.is_floating])
@@ -567,7 +568,8 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
             lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
     fold0 = folding.init(partial_specs, steps)
-    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True) for t, a in zip(inputs, axes) if a is not None]
+    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
+               for t, a in zip(inputs, axes) if a is not None]
     sums0 = [tf.zeros_like(v) for v, w in zip(values_in, read_whole) if w]
     counts = (len(fold0), len(arrays0))
 
@@ -621,6 +623,17 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
     grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
     it = iter(grads)
     return (partials, [next(it) if t else None for t in take], [next(it) if ok else None for ok in whole_ok])
+
+
+def _slice_shape(t: tf.Tensor, axis: int, chunk) -> tf.TensorShape:
+    """The shape of ``t``'s slices of ``chunk`` along ``axis``, as far as it is known statically.  A
+    gradient's TensorArray declares it: DTensor's SPMD expansion refuses a TensorList whose element
+    shape is unranked."""
+    dims = t.shape.as_list() if t.shape.rank is not None else None
+    if dims is None:
+        return tf.TensorShape(None)
+    dims[axis] = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
+    return tf.TensorShape(dims)
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:
