@@ -18,7 +18,12 @@ Values are compared with DTensor's shard by shard.  The measurement runs in a ch
 splits the CPU into eight logical devices before TensorFlow's runtime starts.  The machine runs nothing
 else while it is timed.
 
-Writes ``distributed.json`` (``relayout``: one row per pair), ``distributed.csv`` and ``distributed.png``.
+Then the Transformer of ``experiments/transformer`` trained by two worker processes under
+``MultiWorkerMirroredStrategy``, each under tf_memsafe's limit, against one process training the same
+global batch (``experiments/multi_worker.py`` says how): its losses and each worker's XLA figure.
+
+Writes ``distributed.json`` (``relayout``: one row per pair; ``multi_worker``), ``distributed.csv`` (the
+relayout rows) and ``distributed.png``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from experiments._results import OUT_HELP, results_dir
 MATRIX, VECTOR, REPEATS = (4096, 4096), (1 << 24,), 7
 QUICK_MATRIX, QUICK_VECTOR, QUICK_REPEATS = (256, 512), (1 << 16,), 2
 MESH = (("x", 2), ("y", 4))
+# The multi-worker Transformer run: sequence length, steps, per-worker limit.
+MULTI_WORKER, QUICK_MULTI_WORKER = (1024, 3, 8 * 2**20), (256, 2, 3 * 2**20)
 
 
 @dataclasses.dataclass
@@ -162,7 +169,11 @@ def main(argv=None) -> int:
         sys.stderr.write(done.stderr[-4000:])
         return done.returncode
     rows = [Row(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
+    from experiments import multi_worker
     from experiments._results import machine_meta
+
+    length, steps, limit = QUICK_MULTI_WORKER if args.quick else MULTI_WORKER
+    cluster = multi_worker.run(length, steps, limit)
 
     out = results_dir(args.out, args.quick)
     os.makedirs(out, exist_ok=True)
@@ -177,7 +188,7 @@ def main(argv=None) -> int:
         writer.writeheader()
         writer.writerows(dataclasses.asdict(r) for r in rows)
     with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump({**meta, "relayout": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+        json.dump({**meta, "relayout": [dataclasses.asdict(r) for r in rows], "multi_worker": cluster}, f, indent=1)
     plot(rows, stem + ".png")
     return 0
 

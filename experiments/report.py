@@ -358,12 +358,27 @@ def distributed_lines(data: dict) -> list[str]:
                f"DTensor's allocator figure up to {max(r.dtensor_allocator_over_bound for r in rows):.1f}x; "
                f"time ratio median {statistics.median(r.time_ratio for r in rows):.2f}, "
                f"worst {max(r.time_ratio for r in rows):.2f}." if rows else "No rows.")
+    cluster = data.get("multi_worker")
+    if cluster:
+        workers = cluster["workers"]
+        diff = max(abs(a - b) / abs(b) for w in workers for a, b in zip(w["losses"], cluster["single"]["losses"]))
+        within = all(max(w["programs"], default=0) <= cluster["limit_bytes"] for w in workers)
+        tail = ["", f"The Transformer (1 layer, d_model 32) at L = {cluster['length']}, trained by two worker "
+                f"processes under `MultiWorkerMirroredStrategy` (global batch 2, {cluster['steps']} SGD steps), "
+                f"each under {m.fmt_bytes(cluster['limit_bytes'])}: one worker's step as written "
+                f"{m.fmt_bytes(cluster['single']['per_worker_naive_bytes'])}, rewritten "
+                f"{', '.join(m.fmt_bytes(max(w['programs'], default=0)) for w in workers)} "
+                f"({'within' if within else '**over**'}); losses {[round(x, 5) for x in workers[0]['losses']]}, "
+                f"largest relative difference to one process on the global batch {diff:.1e}; "
+                f"{cluster['workers_seconds']:.0f} s for the workers."]
+    else:
+        tail = []
     return [f"Mesh {data.get('mesh')}, {data.get('how', '')}; median of {data.get('repeats')} warm calls. "
             "Per-device peak over the bound (max of the source and target shards): tf_memsafe's exact per device "
             "(XLA's buffer assignment of each device's program), and the shared allocator's mean over the eight "
             "devices for both. " + summary, "",
             *md_table(["shape", "source", "target", "amounts to", "bound", "peak/bound", "allocator/bound",
-                       "DTensor allocator/bound", "time (ours / DTensor)", "ratio", "equal"], body)]
+                       "DTensor allocator/bound", "time (ours / DTensor)", "ratio", "equal"], body), *tail]
 
 
 def compile_time_lines(data: dict) -> list[str]:
