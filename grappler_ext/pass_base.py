@@ -14,7 +14,7 @@ import dataclasses
 import enum
 from typing import ClassVar, Literal
 
-__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "Motive", "REWRITTEN", "SKIPPED"]
+__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "ShardedAxis", "Motive", "REWRITTEN", "SKIPPED"]
 
 REWRITTEN: Literal["rewritten"] = "rewritten"
 SKIPPED: Literal["skipped"] = "skipped"
@@ -94,6 +94,17 @@ class PassResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardedAxis:
+    """An axis of one of the function's inputs that a device mesh shards (DTensor): each device holds a
+    block of it.  ``placeholder`` names the input's placeholder in the traced graph (for a variable, its
+    resource handle's, and the axis is its value's)."""
+
+    placeholder: str
+    axis: int
+    mesh_axis: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PassOptions:
     """What the passes and the pipeline read, typed: every pass receives one of these (or of a
     subclass: ``tf_memsafe.Options`` adds the user-facing fields) and reads its fields directly.
@@ -108,6 +119,8 @@ class PassOptions:
       calibrate_chunks: let the splitter size loops from XLA's figure for them (with a measurer).
       check_programs: let the splitter check programs with XLA's figure (with a measurer).
       redraw_random: let the splitter draw random values again slice by slice.
+      sharded_inputs: the inputs' axes a device mesh shards, for the one trace being rewritten (set by
+        the caller that knows the call's arguments, never by users): no loop slices along them.
     """
 
     memory_limit_bytes: int | None = None
@@ -118,6 +131,7 @@ class PassOptions:
     calibrate_chunks: bool = True
     check_programs: bool = True
     redraw_random: bool = False
+    sharded_inputs: tuple[ShardedAxis, ...] = ()
 
 
 class Motive(enum.Enum):

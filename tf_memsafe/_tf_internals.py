@@ -20,6 +20,8 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   (``forward()`` returns the forward ``AtomicFunction``, after which ``_backward`` holds the backward
   ``ConcreteFunction``), and ``context.get_compiler_ir`` compiles a registered function by name
   from argument specs without running it;
+* a ``tf.function`` trace is made by ``tracing_compilation.trace_function(args, kwargs, ...)``, whose
+  locals hold the call's arguments (DTensor inputs among them: :func:`call_arguments`);
 * ``backprop.GradientTape.gradient(self, target, sources, output_gradients, unconnected_gradients)``
   is the one entry point of tape gradients (Keras optimizers and GPflow's Scipy call it): a wrapper
   around it records, while a function is traced, what each call differentiated.
@@ -40,7 +42,7 @@ __all__ = [
     "SUPPORTED_TF", "check_supported", "register_transform", "unregister_transform",
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
     "tape_functions", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
-    "uninstall_gradient_recorder",
+    "uninstall_gradient_recorder", "call_arguments",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -144,6 +146,23 @@ def trace_info(graph) -> TraceInfo:
     except Exception:  # noqa: BLE001 - a graph without control-flow context is simply not in one
         in_xla = False
     return TraceInfo(is_function_trace, must_compile, in_xla)
+
+
+_CALL_FRAME = "trace_function"  # tracing_compilation's function holding the call's args and kwargs.
+
+
+def call_arguments() -> tuple[tuple, dict] | None:
+    """The ``(args, kwargs)`` of the ``tf.function`` call being traced, read from the calling frames
+    (read-only); ``None`` outside such a trace (a while/cond body, ``get_concrete_function`` with specs
+    gives the specs)."""
+    frame = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == _CALL_FRAME and "args" in frame.f_locals:
+            return tuple(frame.f_locals["args"] or ()), dict(frame.f_locals.get("kwargs") or {})
+        frame = frame.f_back
+    return None
 
 
 def physical_memory_bytes() -> int:

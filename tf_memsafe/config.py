@@ -28,7 +28,7 @@ import re
 import threading
 from collections.abc import Iterable, Iterator
 
-from grappler_ext.pass_base import GraphPass, PassOptions
+from grappler_ext.pass_base import GraphPass, PassOptions, ShardedAxis
 from grappler_ext.pipeline import DEFAULT_ORDER, registered_passes
 from tf_memsafe.units import MemoryLimit, format_bytes, parse_memory_limit
 
@@ -116,6 +116,9 @@ class Options(PassOptions):
         self._set("max_fixed_point_iterations", int(iterations))
         self._set("dump_dir", _folder(self.dump_dir))
         self._set("disabled_passes", _pass_names(self.disabled_passes))
+        sharded = self.sharded_inputs
+        if not isinstance(sharded, tuple) or not all(isinstance(s, ShardedAxis) for s in sharded):
+            raise TypeError(_bad("sharded_inputs", self.sharded_inputs, "a tuple of ShardedAxis"))
         problem = describe_unknown_passes(self.disabled_passes)
         if problem:
             raise ValueError(f"disabled_passes: {problem}")
@@ -138,7 +141,7 @@ class Options(PassOptions):
         return str(self.memory_limit)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Options)}
+_FIELDS = {f.name for f in dataclasses.fields(Options)} - {"sharded_inputs"}   # per trace, not an option
 # The on/off switches, from the annotations (``PassOptions`` and ``Options`` both postpone them, so
 # each is the text "bool"): a switch added to either class is checked without a change here.
 _SWITCHES = tuple(f.name for f in dataclasses.fields(Options) if f.type == "bool")
@@ -261,6 +264,8 @@ def _normalise(overrides: dict) -> dict:
         out["memory_limit_fraction"] = None
     elif "memory_limit_fraction" in out and "memory_limit_bytes" not in out:
         out["memory_limit_bytes"] = None
+    if "sharded_inputs" in out:
+        raise TypeError("sharded_inputs is not an option: tf_memsafe reads it from each call's DTensor inputs")
     unknown = sorted(set(out) - _FIELDS)
     if unknown:
         raise TypeError(f"unknown tf_memsafe option(s) {unknown}; known: {sorted(_FIELDS | {'memory_limit'})}")

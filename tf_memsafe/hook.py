@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from grappler_ext import gradients
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
-from tf_memsafe import _tf_internals, config
+from tf_memsafe import _tf_internals, config, dtensor_inputs
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
@@ -187,11 +187,22 @@ def transform(graph) -> None:
         _report(TraceReport(name, False, "skipped",
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
         return
+    try:
+        sharded, problem = dtensor_inputs.sharded_inputs(graph), ""
+    except Exception as e:  # noqa: BLE001 - fail open: the function is left as traced, with the reason
+        sharded, problem = None, f" ({type(e).__name__}: {e})"
+    if sharded is None:
+        reason = ("its DTensor inputs could not be matched to the traced graph's inputs, so the axes the mesh "
+                  f"shards are unknown{problem}")
+        _report(TraceReport(name, info.xla_compiled, "skipped", reason, opts.memory_limit_bytes))
+        warnings.warn(f"tf_memsafe left `{name}` exactly as traced: {reason}. Pass DTensors as positional "
+                      "tensor arguments, or disable tf_memsafe for this function.", RuntimeWarning, stacklevel=2)
+        return
     _local.depth = _depth() + 1
     before = None
     start = time.perf_counter()
     try:
-        opts = _resolved_options(graph)
+        opts = dataclasses.replace(_resolved_options(graph), sharded_inputs=sharded)
         before = _model_estimate(graph)
         result = _pipeline().run(graph, opts)
     except Exception as e:  # noqa: BLE001 - fail open; the pipeline has restored the graph

@@ -38,7 +38,7 @@ from grappler_ext.op_types import (
     reserve_space,
     static_shape_reader,
 )
-from grappler_ext.splitter import rules, scaling
+from grappler_ext.splitter import rules, scaling, sharding
 from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
 from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
@@ -191,12 +191,13 @@ class Grown:
     stops: list[Why]
 
 
-def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
-         ignored: frozenset = frozenset(), reseed: rules.Reseed | None = None) -> Grown | Why:
+def grow(options: list[RootOption], graph_outputs: set, order_index: dict, ignored: frozenset = frozenset(),
+         reseed: rules.Reseed | None = None, pinned=None) -> Grown | Why:
     """The region for ``options`` (one or more roots split together): ops carrying the split axis
     whose readers are all in the region; random draws in it drawn again by slice, keyed by
     ``reseed``, if given (``Options.redraw_random``).  Readers in ``ignored`` (the gradients inside
-    the function, rebuilt after a split) do not hold an op back."""
+    the function, rebuilt after a split) do not hold an op back.  No input is sliced along an axis
+    ``pinned`` holds (:func:`.sharding.pinned_axes`: a device mesh shards it)."""
     roots = {o.root for o in options} | {op for o in options for op in o.absorbed}
     joined_roots = {o.root: o for o in options if o.kind == "concat" and o.propagation is not None}
     read_in_slice: set = set()     # concat roots the region also reads, slice by slice
@@ -302,7 +303,8 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict,
     if length is _UNSET:
         return Why(Code.NO_ROOT, "no input of the root carries the split axis")
     dynamic = length is None
-    why = _dynamic_dims(options, sliced_inputs, whole, dynamic, factors)
+    why = sharding.why_pinned(pinned, sliced_inputs) if pinned else None
+    why = why or _dynamic_dims(options, sliced_inputs, whole, dynamic, factors)
     if why is not None:
         return why
     if dynamic:              # its nominal length (a padded batch's at its own nominal size)

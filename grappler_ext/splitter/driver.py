@@ -4,8 +4,8 @@
 every thread that traces; each :meth:`Splitter.run` makes a :class:`_Run` that holds the state of
 that one run (the memory model's figures, the loops built so far, the room given to starved
 gradient loops) and is dropped after it.  The stages it calls: :mod:`.analysis` (roots and
-regions), :mod:`.policy` (chunks and ranking), :mod:`.measure` (XLA's figures, by the injected
-measurer), :mod:`.mechanism` (the loop built and installed).
+regions; no input sliced along an axis :mod:`.sharding` pins), :mod:`.policy` (chunks and ranking),
+:mod:`.measure` (XLA's figures, by the injected measurer), :mod:`.mechanism` (the loop built and installed).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.op_types import nbytes
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules
+from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules, sharding
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, LoopPlan, Sizing, Why
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
@@ -56,8 +56,7 @@ class Splitter(GraphPass):
             raise TypeError(f"measurer must have program_bytes(graph) and function_bytes(fn, specs), got {measurer!r}")
         if not isinstance(tuning, Tuning):
             raise TypeError(f"tuning must be a splitter Tuning, got {type(tuning).__name__}")
-        self.measurer = measurer
-        self.tuning = tuning
+        self.measurer, self.tuning = measurer, tuning
 
     def run(self, graph, options: PassOptions) -> PassResult:
         return _Run(self, graph, options).run()
@@ -509,8 +508,7 @@ class _Region:
     """One plan's search and build of a loop around each large tensor (the state of :meth:`_Run._split_large`)."""
 
     def __init__(self, run: _Run, est, info, step_of, order_index, backward, budget, result):
-        self.run, self.tuning = run, run.tuning
-        self.est, self.info, self.step_of = est, info, step_of
+        self.run, self.tuning, self.est, self.info, self.step_of = run, run.tuning, est, info, step_of
         self.order_index, self.backward, self.budget, self.result = order_index, backward, budget, result
         self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
         self.reseed = rules.Reseed() if run.options.redraw_random else None
@@ -542,7 +540,8 @@ class _Region:
             best = self.reaching_on(best, tensor, beside, reasons)
         size = info[tensor.name].bytes
         if best is None:
-            why = reasons[0] if reasons else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule")
+            why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
+                   else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
             self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
                              bytes_before=size, code=why.code)
             return None
@@ -661,7 +660,8 @@ class _Region:
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
             ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
-            grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed)
+            grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed,
+                                  sharding.pinned_axes(self.run.graph, self.run.options))
             if isinstance(grown, Why):
                 reasons.append(grown)
                 continue

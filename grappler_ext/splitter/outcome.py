@@ -39,6 +39,7 @@ class Code(str, enum.Enum):
     REGION_STOPS = "region_stops"            # the region stops before it (an input, read whole or elsewhere)
     REGION_CONFLICT = "region_conflict"      # wanted along two axes, lengths differ, roots read each other
     SPARSE_LOOKUP = "sparse_lookup"          # an embedding lookup, whose recorded gradient is IndexedSlices
+    SHARDED_AXIS = "sharded_axis"            # it would slice an axis a device mesh shards (DTensor)
     DYNAMIC_AXIS = "dynamic_axis"            # a run-time length it cannot plan: other axes dynamic, lengths
                                              # that may differ, no nominal size
     JOINED_TOO_LARGE = "joined_too_large"    # the loop's joined result is over half the limit
@@ -56,8 +57,8 @@ class Code(str, enum.Enum):
 # A large tensor that stays whole because no candidate region around it could be planned (the
 # warning names the largest); its record is dropped if a later region took the tensor in after all.
 CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.REGION_STOPS, Code.REGION_CONFLICT, Code.DYNAMIC_AXIS,
-                          Code.SPARSE_LOOKUP, Code.JOINED_TOO_LARGE, Code.SAVES_TOO_LITTLE, Code.NO_PLAN,
-                          Code.TOP_K_TOO_SMALL})
+                          Code.SPARSE_LOOKUP, Code.SHARDED_AXIS, Code.JOINED_TOO_LARGE, Code.SAVES_TOO_LITTLE,
+                          Code.NO_PLAN, Code.TOP_K_TOO_SMALL})
 
 
 @dataclasses.dataclass(frozen=True)

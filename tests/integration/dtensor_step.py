@@ -9,7 +9,12 @@ four logical devices share one allocator: the mean per device), and the splitter
 * ``kernel_sum``: a Gaussian kernel's row sums of batch-sharded points [4 x 1024, 8] against 4096
   replicated centres, float64 (a [1024, 4096] kernel per device, 32 MiB);
 * ``train_step``: a kernel regression's loss, its gradient taken with the tape inside, and an SGD
-  update of a replicated ``DVariable``, on batch-sharded points.
+  update of a replicated ``DVariable``, on batch-sharded points;
+* ``self_kernel``: the column maxima of the points' own kernel [4096, 4096]: a loop must slice the
+  sharded points, which DTensor gathers (256 KB: allowed);
+* ``mlp``: two tanh layers over batch-sharded rows [4 x 8192, 64], summed over the rows: the only loop
+  would slice the sharded rows, 16 MB gathered on every device, so it is left as traced and the warning
+  says why (before, the loop took each device from 4 MiB to 45 MiB).
 
 DTensor expands a function for each device after it is traced, from the global graph: tf_memsafe sees
 global shapes and sizes its loops for them, which bounds each device's share from above.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import tensorflow as tf
 
@@ -60,6 +66,16 @@ def main() -> int:
         w.assign_sub(1e-6 * grad)
         return loss, grad, tf.identity(w)
 
+    def self_kernel(a, c):
+        return tf.reduce_max(kernel(a, a), 0)
+
+    rows = dtensor.relayout(replicated(tf.random.stateless_normal([DEVICES * 8192, 64], [1, 4], dtype=tf.float64)),
+                            dtensor.Layout.batch_sharded(mesh, "b", 2))
+    weights = replicated(tf.random.stateless_normal([64, 64], [1, 5], dtype=tf.float64) / 8)
+
+    def mlp(a, c):
+        return tf.reduce_sum(tf.tanh(tf.tanh(a @ c) @ c), 0)
+
     def run(fn, enabled: bool) -> dict:
         w.assign(replicated(tf.fill([8, 1], tf.constant(0.1, tf.float64))))
         step = tf.function(fn, jit_compile=True)
@@ -69,16 +85,20 @@ def main() -> int:
         try:
             before = tf.config.experimental.get_memory_info("CPU:0")["current"]
             tf.config.experimental.reset_memory_stats("CPU:0")
-            out = step(x, centres)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = step(rows, weights) if fn is mlp else step(x, centres)
             values = [gathered(t) for t in tf.nest.flatten(out)]
             peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
         finally:
             tf_memsafe.disable()
         actions = [r.action for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
-        return {"values": values, "peak_per_device": peak / DEVICES, "splitter": actions}
+        return {"values": values, "peak_per_device": peak / DEVICES, "splitter": actions,
+                "warnings": [str(w.message) for w in caught]}
 
     print(json.dumps({"limit": LIMIT, **{name: {"naive": run(fn, False), "tf_memsafe": run(fn, True)}
-                                         for name, fn in (("kernel_sum", kernel_sum), ("train_step", train_step))}}))
+                                         for name, fn in (("kernel_sum", kernel_sum), ("train_step", train_step),
+                                                          ("self_kernel", self_kernel), ("mlp", mlp))}}))
     return 0
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import tf_memsafe
 from grappler_ext import pipeline
-from grappler_ext.pass_base import GraphPass, PassResult
+from grappler_ext.pass_base import GraphPass, PassResult, ShardedAxis
 from tf_memsafe import config
 from tf_memsafe.config import Options, describe_unknown_passes, known_pass_names, make_options
 
@@ -55,6 +55,18 @@ class TestOptionsDataclass:
         assert make_options(disabled_passes=["splitter", "matrix_chain", "splitter"]).disabled_passes == frozenset(
             {"splitter", "matrix_chain"})
         assert Options(disabled_passes=["splitter"]).disabled_passes == frozenset({"splitter"})
+
+    def test_sharded_inputs_are_read_from_each_call_never_given(self):
+        # The axes a DTensor mesh shards are the hook's to set per trace (dtensor_inputs), not an option.
+        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
+            make_options(sharded_inputs=())
+        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
+            tf_memsafe.enable("1GB", sharded_inputs=())
+        assert not tf_memsafe.is_enabled()
+        sharded = (ShardedAxis("x", 0, "b"),)
+        assert dataclasses.replace(Options(), sharded_inputs=sharded).sharded_inputs == sharded
+        with pytest.raises(TypeError, match="sharded_inputs"):
+            Options(sharded_inputs=[("x", 0, "b")])
 
 
 # Issue 27, item 5: each bad value, the field its message must name, and words of what is accepted.
