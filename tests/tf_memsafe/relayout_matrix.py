@@ -22,7 +22,31 @@ import tensorflow as tf
 MATRIX, VECTOR = (1024, 2048), (1 << 21,)
 
 
+def gather_check() -> int:
+    """Under ``LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2=1`` (set by the caller), a (y, x)-sharded
+    array gathered to replicated: tf_memsafe's values and DTensor's, each against the array itself."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
+    from tensorflow.experimental import dtensor
+
+    import tf_memsafe
+
+    mesh = dtensor.create_mesh([("x", 2), ("y", 4)], device_type="CPU")
+    full = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    x = dtensor.relayout(dtensor.copy_to_mesh(tf.constant(full), dtensor.Layout.replicated(mesh, 2)),
+                         dtensor.Layout(["y", "x"], mesh))
+    target = dtensor.Layout.replicated(mesh, 2)
+
+    def right(out):
+        return float(np.mean([np.array_equal(s.numpy(), full) for s in dtensor.unpack(out)]))
+
+    print(json.dumps({"ours": right(tf_memsafe.relayout(x, target)), "dtensor": right(dtensor.relayout(x, target))}))
+    return 0
+
+
 def main() -> int:
+    if "--gather-check" in sys.argv:
+        return gather_check()
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
     from tensorflow.experimental import dtensor

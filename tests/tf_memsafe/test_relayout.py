@@ -84,3 +84,15 @@ def test_explain_names_the_collectives_the_peak_and_the_bound(matrix):
     assert "(x, y) -> (y, x)" in text
     assert "all-to-all over x (dimension 0 -> 1), all-to-all over y (dimension 1 -> 0)" in text
     assert "bound (the larger shard) 32 B: 1.00x" in text
+
+
+def test_the_gather_is_right_where_dtensors_collective_gather_is_not():
+    # With LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2=1, DTensor 2.21 gathers a (y, x)-sharded array
+    # to replicated with wrong values (issue 31's note); tf_memsafe.relayout reads the pieces itself.
+    done = subprocess.run([sys.executable, "-m", "tests.tf_memsafe.relayout_matrix", "--gather-check"], cwd=ROOT,
+                          timeout=300, capture_output=True, text=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                               "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["ours"] == 1.0, got                # every device's shard equals the array (DTensor's: 0 of 8)
