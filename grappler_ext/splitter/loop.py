@@ -134,6 +134,45 @@ def _prologue_outputs(region: Region) -> set:
     return {o.ref() for op in region.prologue for o in op.outputs}
 
 
+def _batch_first(op: tf.Operation, index: int) -> tuple[int, ...] | None:
+    """The permutation that puts operand ``index`` of a two-operand ``Einsum`` in the order XLA's dot
+    reads it without a copy (its batch axes first, in place, the other two after, in order); ``None``
+    if that is its order already or the equation is not of that form."""
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    if "..." in equation or "->" not in equation:
+        return None
+    operands, out = equation.split("->")
+    operands = operands.split(",")
+    if len(operands) != 2:
+        return None
+    mine, other = operands[index], operands[1 - index]
+    batch = [c for c in mine if c in other and c in out]
+    rest = [c for c in mine if c not in batch]
+    if len(rest) != 2 or [c for c in out if c in batch] != batch:
+        return None
+    perm = tuple(mine.index(c) for c in batch + rest)
+    return None if perm == tuple(range(len(mine))) else perm
+
+
+def _inverse(perm: tuple[int, ...]) -> list[int]:
+    return [perm.index(k) for k in range(len(perm))]
+
+
+def relaid_prologue(region: Region) -> dict:
+    """``{prologue output ref: permutation}`` for the prologue's outputs read by the region only through
+    einsums that all want the same batch-first order (an attention's keys and values, [B, S, N, H],
+    read as [B, N, S, H]).  The prologue hands them over in that order and the loop's body turns them
+    back, a transpose XLA folds into the dots: otherwise XLA copies each into that order for the loop,
+    beside the prologue's own (twelve [8, 2048, 8, 128] copies in a batch-8 Transformer's last loop)."""
+    op_inputs = region_inputs(region)
+    wanted: dict = {}
+    for op in region.ops:
+        for i, t in enumerate(op_inputs[op]):
+            if t.ref() in _prologue_outputs(region):
+                wanted.setdefault(t.ref(), set()).add(_batch_first(op, i) if op.type == "Einsum" else None)
+    return {ref: perms.pop() for ref, perms in wanted.items() if len(perms) == 1 and None not in perms}
+
+
 def external_inputs(region: Region) -> list[tf.Tensor]:
     """The tensors the region reads from outside, each once: the sliced inputs, then those read
     whole (the prologue's inputs instead of what it computes); small constants read whole are
@@ -194,10 +233,14 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
     written = {root: (refs.index(t.ref()), region.sliced_inputs[t.ref()])
                for root, t in region.written_into.items() if root in op_inputs}
 
-    def build(values, offset, chunk, derived=None, sliced_from=None, length=None):
+    relaid = relaid_prologue(region) if region.prologue else {}
+
+    def build(values, offset, chunk, derived=None, sliced_from=None, length=None, relayout=False):
         split_env: dict = {}
         whole_env = {t.ref(): v for t, v in zip(external, values)}
-        whole_env.update(derived or {})
+        # (``relayout``: the prologue's outputs came in the order relaid_prologue gives; turned back here)
+        whole_env.update({ref: tf.transpose(v, _inverse(relaid[ref])) if relayout and ref in relaid else v
+                          for ref, v in (derived or {}).items()})
         sliced: list = []
         cut = dynamic_slice if length is None else clamped_slice
         factors = run_factors(region)           # (their run-time sizes read once a slice, not once an op)
@@ -325,7 +368,7 @@ def forward_program(region: Region, planned: int, combiner: Combiner, partial_sp
         # After the sliced inputs exist: XLA would otherwise compute a cross-attention's keys and
         # values (from the encoder's output) for every layer at once, long before their loops.
         derived = _in_order(region, external, values, [v for t, v in zip(external, values)
-                                                       if t.ref() in region.sliced_inputs] or values)
+                                                       if t.ref() in region.sliced_inputs] or values, relayout=True)
         length = run_length(region, external, values)
         (chunk, back), specs = _scaled(region, length, (planned, backward_chunk or planned), partial_specs)
         if chunks_out is not None:
@@ -334,7 +377,7 @@ def forward_program(region: Region, planned: int, combiner: Combiner, partial_sp
         folding = combiner if length is None else combiner.at_length(length, chunk)
 
         def step(vals, offset, size):
-            return build(vals, offset, size, derived, length=length)
+            return build(vals, offset, size, derived, length=length, relayout=True)
 
         count, carry = _loop(step, values, folding, specs, steps, chunk)
         # The remainder's offset is read from the loop's counter (steps * chunk all the same): the
@@ -440,8 +483,8 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     # The sums start from zeros XLA cannot create before the upstream gradients exist (a constant
     # zero buffer is allocated at the program's start and held: 24 of [L, 8, 128] in a Transformer).
     anchor = _opaque_true([u for u in upstream if u is not None] or [v for v in values if v.dtype.is_floating])
-    carry0 += [tf.fill(t.shape if t.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, t.dtype) * 0)
-               for t, v, w in zip(external, values, read_whole) if w]
+    carry0 += [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, t.dtype) * 0)
+               for t, v, w in zip(external, values, read_whole) if w]     # (v's shape: a prologue's relaid)
 
     def body(i, *carry):
         sliced_grads, whole_grads = slice_grads(i * chunk, chunk)
@@ -546,7 +589,7 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     values = list(values)
     n = len(external)
     derived = _in_order(region, external, values, [v for t, v in zip(external, values)
-                                                   if t.ref() in region.sliced_inputs] or values)
+                                                   if t.ref() in region.sliced_inputs] or values, relayout=True)
     # The prologue's outputs as inputs read whole (as in _backward_with_prologue), their gradients
     # carried back through it after the loop: its large outputs are not held for the backward.
     keys = [ref for ref in derived if ref in region.whole_inputs]
@@ -563,7 +606,7 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     def slice_step(offset, size):
         return _slice_gradients(
             lambda inner, sliced_from: build(inner[:n], offset, size, {**derived, **dict(zip(keys, inner[n:]))},
-                                             sliced_from=sliced_from[:n], length=length),
+                                             sliced_from=sliced_from[:n], length=length, relayout=True),
             values_in, [a is not None for a in axes], read_whole,
             lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
@@ -649,7 +692,7 @@ def _opaque_true(tensors: Sequence) -> tf.Tensor:
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.equal(a, a)) for a in anchors]))
 
 
-def _in_order(region, external, values, after) -> dict:
+def _in_order(region, external, values, after, relayout: bool = False) -> dict:
     """The prologue's outputs computed from ``values`` once ``after`` exist, in a form XLA keeps
     apart from any other computation of them: ``{original.ref(): tensor}``.
 
@@ -659,15 +702,18 @@ def _in_order(region, external, values, after) -> dict:
     exist early long before its loop runs.  CSE does not reach into a conditional's branches, nor
     does a conditional run before its predicate: the prologue is a ``tf.cond`` whose two branches
     are the same ops, on a predicate read from ``after``.  Either branch gives the same values, so
-    the predicate's value cannot change them.
+    the predicate's value cannot change them.  With ``relayout``, outputs :func:`relaid_prologue` names
+    come in its order (the slice builder then takes ``relayout=True``).
     """
     keys = [o.ref() for op in region.prologue for o in op.outputs]
     if not keys:
         return {}
 
+    relaid = relaid_prologue(region) if relayout else {}
+
     def branch():
         derived = run_prologue(region, external, values)
-        return [derived[k] for k in keys]
+        return [tf.transpose(derived[k], relaid[k]) if k in relaid else derived[k] for k in keys]
 
     return dict(zip(keys, tf.cond(_opaque_true(after), branch, branch)))
 
@@ -680,14 +726,14 @@ def _backward_with_prologue(region, build, external, axes, read_whole, values, o
     n = len(external)
     values = list(values)
     # Recomputed once the upstream gradients exist (the backward needs them then, not before).
-    derived = _in_order(region, external, values, [u for u in upstream if u is not None] or values)
+    derived = _in_order(region, external, values, [u for u in upstream if u is not None] or values, relayout=True)
     keys = [ref for ref in derived if ref in region.whole_inputs]
     inner_external = list(external) + [ref.deref() for ref in keys]
     inner_values = values + [derived[ref] for ref in keys]
 
     def inner_build(vals, offset, size, sliced_from=None, length=None):
         return build(vals[:n], offset, size, dict(zip(keys, vals[n:])),
-                     sliced_from=None if sliced_from is None else sliced_from[:n], length=length)
+                     sliced_from=None if sliced_from is None else sliced_from[:n], length=length, relayout=True)
 
     extra_floating = [ref.deref().dtype.is_floating for ref in keys]
     grads = _backward(region, inner_build, inner_external, list(axes) + [None] * len(keys),

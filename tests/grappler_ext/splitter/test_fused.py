@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext.pipeline import Pipeline
-from grappler_ext.splitter import Splitter
+from grappler_ext.splitter import Splitter, loop
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
@@ -287,3 +287,47 @@ def test_a_prologue_waits_for_every_input_it_is_ordered_after():
         mask = tf.compat.v1.placeholder(tf.bool, [8])
         predicate = loop._opaque_true([tokens, hidden, mask])
         assert {tokens.op, hidden.op, mask.op} <= graph_query.ancestors([predicate])
+
+
+@pytest.mark.parametrize("equation,index,perm", [
+    ("aecd,abcd->acbe", 0, (0, 2, 1, 3)),       # Keras attention's keys [B, S, N, H], read as [B, N, S, H]
+    ("acbe,aecd->abcd", 1, (0, 2, 1, 3)),       # and its values
+    ("lhe,mhe->hlm", 1, (1, 0, 2)),             # multi_head's keys [L, H, D], read as [H, L, D]
+    ("bij,bjk->bik", 1, None),                  # batch first already
+    ("ld,dhe->lhe", 1, None),                   # no batch axis: three axes besides
+    ("aecd,abcd->cabe", 0, None),               # batch axes in another order in the output
+])
+def test_an_einsum_operand_is_wanted_batch_first(equation, index, perm):
+    graph = tf.Graph()
+    with graph.as_default():
+        rank = [len(s) for s in equation.split("->")[0].split(",")]
+        a, b = (tf.compat.v1.placeholder(tf.float32, [2] * r) for r in rank)
+        op = tf.einsum(equation, a, b).op
+    assert loop._batch_first(op, index) == perm
+
+
+def _transposes(graph_def) -> list[list[int]]:
+    """The permutations of every Transpose in the functions of ``graph_def`` (loop bodies, branches)."""
+    found = []
+    for f in graph_def.library.function:
+        consts = {n.name: n for n in f.node_def if n.op == "Const"}
+        for n in f.node_def:
+            if n.op == "Transpose":
+                perm = consts.get(n.input[1].split(":")[0])
+                if perm is not None:
+                    found.append(tf.make_ndarray(perm.attr["value"].tensor).tolist())
+    return found
+
+
+def test_the_prologue_hands_its_einsum_operands_over_batch_first():
+    """multi_head's keys and values [L, H, D] leave the prologue as [H, L, D], the order its einsums read
+    them in (XLA copied them into it for the loop before, beside the prologue's own); the body turns
+    them back, which XLA folds into the dots.  Values and gradients as written."""
+    tf_memsafe.enable(4 * LIMIT, strict=True)
+    with splitter_only():
+        split = tf.function(step_fn(multi_head, variables(HEADS)), jit_compile=True)
+        got = split(X, TARGET)
+    expected = tf.function(step_fn(multi_head, variables(HEADS)), jit_compile=True)(X, TARGET)
+    assert_close(got, expected)
+    graph_def = split.get_concrete_function(X, TARGET).graph.as_graph_def()
+    assert _transposes(graph_def).count([1, 0, 2]) >= 4, _transposes(graph_def)   # 2 in, 2 back, at least
