@@ -58,12 +58,14 @@ class TestOptionsDataclass:
 
     def test_sharded_inputs_are_read_from_each_call_never_given(self):
         # The axes a DTensor mesh shards are the hook's to set per trace (dtensor_inputs), not an option.
-        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
-            make_options(sharded_inputs=())
-        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
-            tf_memsafe.enable("1GB", sharded_inputs=())
-        assert not tf_memsafe.is_enabled()
         sharded = (ShardedAxis("x", 0, "b"),)
+        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
+            make_options(sharded_inputs=sharded)
+        with pytest.raises(TypeError, match="sharded_inputs is not an option"):
+            tf_memsafe.enable("1GB", sharded_inputs=sharded)
+        assert not tf_memsafe.is_enabled()
+        # Options given back field by field (an experiment restoring the caller's) hold the empty default.
+        assert make_options(sharded_inputs=()).sharded_inputs == ()
         assert dataclasses.replace(Options(), sharded_inputs=sharded).sharded_inputs == sharded
         with pytest.raises(TypeError, match="sharded_inputs"):
             Options(sharded_inputs=[("x", 0, "b")])
