@@ -391,26 +391,35 @@ _MODULE_RE = re.compile(r"^module_(\d+)\.(.+?)\.\S*after_optimizations-memory-us
 _TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
 
 
-def memory_reports(folder: str) -> list[tuple[str, int]]:
-    """``(module name, "Total bytes used")`` of every memory-usage report in ``folder``, in compile order."""
+def _dumped(folder: str, pattern: re.Pattern, read) -> list[tuple[str, int]]:
+    """``(module name, read(text))`` of every file in ``folder`` whose name ``pattern`` matches (its
+    groups: the module's number and name), in compile order; a file ``read`` gives ``None`` is left out."""
     found = []
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     for name in names:
-        m = _MODULE_RE.match(name)
+        m = pattern.match(name)
         if not m:
             continue
         try:
             with open(os.path.join(folder, name), encoding="utf-8") as f:
-                total = _TOTAL_RE.search(f.read())
+                value = read(f.read())
         except OSError:
             continue
-        if total:
-            found.append((int(m.group(1)), m.group(2), int(total.group(1))))
-    return [(module, total) for _, module, total in sorted(found)]
+        if value is not None:
+            found.append((int(m.group(1)), m.group(2), value))
+    return [(module, value) for _, module, value in sorted(found)]
 
+
+def memory_reports(folder: str) -> list[tuple[str, int]]:
+    """``(module name, "Total bytes used")`` of every memory-usage report in ``folder``, in compile order."""
+    def total(text: str) -> int | None:
+        m = _TOTAL_RE.search(text)
+        return int(m.group(1)) if m else None
+
+    return _dumped(folder, _MODULE_RE, total)
 
 
 _ASSIGNMENT_RE = re.compile(r"^module_(\d+)\.(.+?)\.\S*after_optimizations-buffer-assignment\.txt$")
@@ -421,23 +430,8 @@ def allocated_reports(folder: str) -> list[tuple[str, int]]:
     """``(module name, bytes)`` of every buffer assignment in ``folder``, in compile order: what the
     program allocates itself -- its outputs, temporaries and constants -- not counting the parameters
     it is handed (which "Total bytes used" includes)."""
-    found = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    for name in names:
-        m = _ASSIGNMENT_RE.match(name)
-        if not m:
-            continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            continue
-        own = sum(int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter"))
-        found.append((int(m.group(1)), m.group(2), own))
-    return [(module, own) for _, module, own in sorted(found)]
+    return _dumped(folder, _ASSIGNMENT_RE, lambda text: sum(
+        int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter")))
 
 # --- Validation in a child process, cached per TensorFlow build -----------------------------------
 

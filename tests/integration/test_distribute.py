@@ -5,21 +5,13 @@ the summed loss and gradient equal the run without tf_memsafe.  ``enable`` works
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.child import json_from_module
 
 
 def test_each_replicas_step_is_split_within_the_limit():
-    done = subprocess.run([sys.executable, "-m", "tests.integration.mirrored_step"], cwd=ROOT, timeout=600,
-                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = json_from_module("tests.integration.mirrored_step")
     limit, naive = got["limit"], got["naive"]
     assert len(naive["programs"]) == 2 and min(naive["programs"]) > 4 * limit, naive["programs"]
     assert naive["splitter"] == []

@@ -10,23 +10,15 @@ value type is not a RankedTensorType").
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.child import json_from_module
 
 
 @pytest.fixture(scope="module")
 def runs():
-    done = subprocess.run([sys.executable, "-m", "tests.integration.dtensor_step"], cwd=ROOT, timeout=600,
-                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_module("tests.integration.dtensor_step")
 
 
 @pytest.mark.parametrize("case", ["kernel_sum", "train_step", "self_kernel"])

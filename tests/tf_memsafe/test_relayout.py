@@ -7,22 +7,14 @@ once and uses DTensor's relayout."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.child import json_from_module
 
 
 @pytest.fixture(scope="module")
 def matrix():
-    done = subprocess.run([sys.executable, "-m", "tests.tf_memsafe.relayout_matrix"], cwd=ROOT, timeout=900,
-                          capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_from_module("tests.tf_memsafe.relayout_matrix", timeout=900)
 
 
 def test_every_layout_pair_gives_dtensors_values_in_the_target_layout(matrix):
@@ -89,10 +81,6 @@ def test_explain_names_the_collectives_the_peak_and_the_bound(matrix):
 def test_the_gather_is_right_where_dtensors_collective_gather_is_not():
     # With LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2=1, DTensor 2.21 gathers a (y, x)-sharded array
     # to replicated with wrong values (issue 31's note); tf_memsafe.relayout reads the pieces itself.
-    done = subprocess.run([sys.executable, "-m", "tests.tf_memsafe.relayout_matrix", "--gather-check"], cwd=ROOT,
-                          timeout=300, capture_output=True, text=True,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                               "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = json_from_module("tests.tf_memsafe.relayout_matrix", "--gather-check", timeout=300,
+                           env={"LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2": "1"})
     assert got["ours"] == 1.0, got                # every device's shard equals the array (DTensor's: 0 of 8)
