@@ -122,6 +122,7 @@ class Region:
     written_into: dict = dataclasses.field(default_factory=dict)
     scaled: Scaling | None = None
     least_chunk: int = 1
+    relaid: dict | None = dataclasses.field(default=None, repr=False, compare=False)   # relaid_prologue's, once
 
 
 def _inline_constant(t: tf.Tensor):
@@ -164,13 +165,17 @@ def relaid_prologue(region: Region) -> dict:
     read as [B, N, S, H]).  The prologue hands them over in that order and the loop's body turns them
     back, a transpose XLA folds into the dots: otherwise XLA copies each into that order for the loop,
     beside the prologue's own (twelve [8, 2048, 8, 128] copies in a batch-8 Transformer's last loop)."""
-    op_inputs = region_inputs(region)
-    wanted: dict = {}
-    for op in region.ops:
-        for i, t in enumerate(op_inputs[op]):
-            if t.ref() in _prologue_outputs(region):
-                wanted.setdefault(t.ref(), set()).add(_batch_first(op, i) if op.type == "Einsum" else None)
-    return {ref: perms.pop() for ref, perms in wanted.items() if len(perms) == 1 and None not in perms}
+    if region.relaid is None:
+        # Decided once, from the region's inputs as they are when its loop is built: the forward, the
+        # gradient rebuilt later and the slice builder must agree on it.
+        op_inputs = region_inputs(region)
+        wanted: dict = {}
+        for op in region.ops:
+            for i, t in enumerate(op_inputs[op]):
+                if t.ref() in _prologue_outputs(region):
+                    wanted.setdefault(t.ref(), set()).add(_batch_first(op, i) if op.type == "Einsum" else None)
+        region.relaid = {ref: perms.pop() for ref, perms in wanted.items() if len(perms) == 1 and None not in perms}
+    return region.relaid
 
 
 def external_inputs(region: Region) -> list[tf.Tensor]:
