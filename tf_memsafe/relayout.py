@@ -25,8 +25,6 @@ arguments), so the eight devices of a mesh share one program per layout pair.
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 import threading
 import warnings
 
@@ -117,28 +115,17 @@ def _warn_once(reason: str) -> None:
                   f"shard: {reason}.", RuntimeWarning, stacklevel=3)
 
 
-def _offsets(sizes: tuple[tuple[int, ...], ...], grid: tuple[int, ...]) -> list[list[int]]:
-    """Where each piece (listed in row-major order of ``grid``, with ``sizes``) starts in the shard."""
-    starts = []
-    for dim, n in enumerate(grid):
-        stride = math.prod(grid[dim + 1:])
-        lengths = [sizes[i * stride][dim] for i in range(n)]
-        starts.append([sum(lengths[:i]) for i in range(n)])
-    return [[starts[dim][idx] for dim, idx in enumerate(cell)]
-            for cell in itertools.product(*(range(n) for n in grid))]
-
-
 def _assembler(assembly: Assembly, dtype: tf.DType, part_shapes: tuple[tuple[int, ...], ...]):
     """The compiled program building one device's shard from its pieces' holders' shards and the pieces'
     offsets in them; shared by every assembly with the same piece sizes, dtype and holder shapes."""
     sizes = tuple(tuple(hi - lo for lo, hi in p.box) for p in assembly.pieces)
     shape = tuple(hi - lo for lo, hi in assembly.box)
-    key = (assembly.grid, sizes, shape, dtype, part_shapes)
+    # where each piece lies in the shard
+    offsets = tuple(tuple(lo - start for (lo, _), (start, _) in zip(p.box, assembly.box)) for p in assembly.pieces)
+    key = (sizes, offsets, shape, dtype, part_shapes)
     with _lock:
         fn = _assemblers.get(key)
         if fn is None:
-            offsets = _offsets(sizes, assembly.grid)
-
             def assemble(parts, begins):
                 # The first piece padded to the shard's shape, then every other piece written into it in
                 # place: XLA updates a dynamic-update-slice's operand where it stands and fuses the slice

@@ -433,6 +433,7 @@ def allocated_reports(folder: str) -> list[tuple[str, int]]:
     return _dumped(folder, _ASSIGNMENT_RE, lambda text: sum(
         int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter")))
 
+
 # --- Validation in a child process, cached per TensorFlow build -----------------------------------
 
 _PROBE = "import tensorflow as tf; tf.function(lambda a: a + 1.0, jit_compile=True)(tf.ones([2])); print('ok')"

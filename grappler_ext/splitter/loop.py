@@ -168,11 +168,11 @@ def relaid_prologue(region: Region) -> dict:
     if region.relaid is None:
         # Decided once, from the region's inputs as they are when its loop is built: the forward, the
         # gradient rebuilt later and the slice builder must agree on it.
-        op_inputs = region_inputs(region)
+        op_inputs, outputs = region_inputs(region), _prologue_outputs(region)
         wanted: dict = {}
         for op in region.ops:
             for i, t in enumerate(op_inputs[op]):
-                if t.ref() in _prologue_outputs(region):
+                if t.ref() in outputs:
                     wanted.setdefault(t.ref(), set()).add(_batch_first(op, i) if op.type == "Einsum" else None)
         region.relaid = {ref: perms.pop() for ref, perms in wanted.items() if len(perms) == 1 and None not in perms}
     return region.relaid
@@ -238,7 +238,7 @@ def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dic
     written = {root: (refs.index(t.ref()), region.sliced_inputs[t.ref()])
                for root, t in region.written_into.items() if root in op_inputs}
 
-    relaid = relaid_prologue(region) if region.prologue else {}
+    relaid = relaid_prologue(region)
 
     def build(values, offset, chunk, derived=None, sliced_from=None, length=None, relayout=False):
         split_env: dict = {}
