@@ -750,8 +750,8 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
     if (op in inside or op not in order_index or rules.leaf_kind(op) is not None or op.type in NOT_CLONED
             or rules.is_stateful(op) or op.control_inputs or op._control_outputs  # noqa: SLF001
             or any(t.dtype in (tf.resource, tf.variant) for t in list(op.inputs) + list(op.outputs))
-            or not all(t.shape.is_fully_defined() for t in op.outputs) or any(nbytes(t) > cap for t in op.outputs)):
-        # (a prologue is computed whole: never of a size known only at run time)
+            or not all(shapes.known_shape(t) for t in op.outputs) or any(nbytes(t) > cap for t in op.outputs)):
+        # (a prologue is computed whole: its sizes static, or products of the function's run-time sizes)
         return False
     for o in op.outputs:
         if o.ref() in graph_outputs:

@@ -604,8 +604,9 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     axes = [a if f else None for a, f in zip(list(axes) + [None] * len(keys), floating_in)]
     read_whole = [w and f for w, f in zip(list(read_whole) + [True] * len(keys), floating_in)]
     length = run_length(region, external, values)
+    (chunk,), partial_specs = _scaled(region, length, (chunk,), partial_specs)   # (the run's, where scaled)
     steps, tail = _extent(region, length, chunk)
-    folding = combiner if length is None else combiner.at_length(length)
+    folding = combiner if length is None else combiner.at_length(length, chunk)
     unit = [tf.ones(s.shape, s.dtype) if i == target else None for i, s in enumerate(partial_specs)]
 
     def slice_step(offset, size):

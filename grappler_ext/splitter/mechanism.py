@@ -160,8 +160,6 @@ def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
     (one pass over the slices instead of two): its one floating output is a scalar combined by a sum
     or a mean (:func:`.loop.fusable`), and a gradient recorded inside the function differentiates
     what is computed from it (else those gradients would only cost time)."""
-    if region.scaled:              # its chunks are scaled at run time; a fused loop's are not
-        return False
     combiner, specs, differentiable, _ = combined(options, region, ChunkPlan(length, chunk, 0))
     # The combiner first: the recorded gradients' ancestors are most of the graph.
     return (differentiable and loop_fusable(combiner, specs) is not None

@@ -188,6 +188,32 @@ def test_a_length_known_at_run_time_masks_the_last_slice():
         tf_memsafe.disable()
 
 
+def batched_heads(x, t, weights):
+    """multi_head over a batch: [B, L, D] inputs, keys and values [B, L, H, D] (the prologue's)."""
+    q, k, v = (tf.einsum("bld,dhe->blhe", x, w) for w in weights)
+    probs = tf.nn.softmax(tf.einsum("blhe,bmhe->bhlm", q, k) / 4.0, -1)              # [B, H, L, L]
+    return tf.reduce_mean(tf.square(tf.reduce_sum(tf.einsum("bhlm,bmhe->blhe", probs, v), 2) - t))
+
+
+def test_a_padded_batch_fuses_its_loop_and_keeps_its_prologue():
+    """Batch and length both known only at run time (a padded tf.data batch): the loop along the
+    sequence, whose chunk is scaled to the run's sizes, still computes the loss's gradients as it goes
+    and still recomputes the keys and values in its gradient, from products of the run-time sizes.
+    Exact at two shapes of the one trace, neither a multiple of the other."""
+    batch = tf.constant(RNG.standard_normal((3, 512, D)))
+    target = tf.constant(RNG.standard_normal((3, 512, D)))
+    spec = tf.TensorSpec([None, None, D], tf.float64)
+    tf_memsafe.enable(8 * 10**6, strict=True)                # [2, 4, 512, 512] scores are 16.8 MB
+    with splitter_only():
+        split = tf.function(step_fn(batched_heads, variables(HEADS)), jit_compile=True, input_signature=[spec, spec])
+        got = [split(batch[:b, :n], target[:b, :n]) for b, n in ((2, 512), (3, 301))]
+    plans = [p for p in loops() if p.roots[0].op_type == "Mean"]
+    assert plans and plans[0].dynamic and plans[0].fused and plans[0].prologue_ops, [p.render() for p in loops()]
+    naive = tf.function(step_fn(batched_heads, variables(HEADS)), jit_compile=True)
+    for (b, n), g in zip(((2, 512), (3, 301)), got):
+        assert_close(g, naive(batch[:b, :n], target[:b, :n]))
+
+
 def test_adam_steps_update_the_variables_as_written():
     import tf_keras as keras
 
