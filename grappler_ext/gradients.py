@@ -30,11 +30,12 @@ import dataclasses
 from collections.abc import Iterable
 
 import tensorflow as tf
+from tensorflow.python.framework import ops
 
 from grappler_ext import graph_edit, graph_query
 
 __all__ = ["GRADIENTS_ATTR", "GradientRecord", "records", "backward_ops", "rebuildable", "differentiated", "retarget",
-           "rebuild"]
+           "rebuild", "carries_gradient"]
 
 # Attribute of a FuncGraph holding its list of GradientRecord (set while the function is traced).
 GRADIENTS_ATTR = "_tf_memsafe_gradients"
@@ -117,6 +118,34 @@ def differentiated(graph, ops: Iterable[tf.Operation]) -> bool:
             continue
         if graph_query.ancestors([t for t in record.targets if _in_graph(t)]) & ops:
             return True
+    return False
+
+
+def _backpropagatable(t: tf.Tensor) -> bool:
+    """Whether TensorFlow's gradients flow through ``t`` at all (its ``_IsBackpropagatable``)."""
+    return t.dtype.is_floating or t.dtype.is_complex or t.dtype in (tf.resource, tf.variant)
+
+
+def carries_gradient(t: tf.Tensor) -> bool:
+    """Whether a gradient of ``t`` can reach the function's inputs or variables: a path from one to
+    ``t`` through floating tensors and ops with a gradient.  ``False`` proves ``t``'s gradient zero
+    whatever differentiates it (an accuracy: an ``argmax``'s integers compared with the labels,
+    counted as floats).  An op without a registered gradient function is taken to have one (as
+    ``tf.gradients`` would fail on it)."""
+    stack, seen = [t], set()
+    while stack:
+        x = stack.pop()
+        if x.ref() in seen or not _backpropagatable(x):
+            continue
+        seen.add(x.ref())
+        if x.dtype in (tf.resource, tf.variant) or x.op.type == "Placeholder":
+            return True
+        try:
+            if ops._gradient_registry.lookup(x.op.type) is None:   # noqa: SLF001 - NotDifferentiable
+                continue
+        except LookupError:
+            pass
+        stack.extend(x.op.inputs)
     return False
 
 

@@ -628,6 +628,7 @@ class Group(Combiner):
         self.parts = list(parts)
         self.name = "+".join(c.name for c, _, _ in self.parts)
         self.differentiable = all(c.differentiable for c, _, _ in self.parts)
+        self.linear_upstream = all(c.linear_upstream for c, _, _ in self.parts)
         self._carry_sizes: list[int] | None = None
 
     @staticmethod
@@ -673,6 +674,8 @@ class Group(Combiner):
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         sizes_out = [m for _, _, m in self.parts]
+        if outputs is None:            # (a fused loop's: a sum's or a mean's share needs no outputs)
+            outputs = [None] * sum(sizes_out)
         out = []
         for (c, _, _), up, outs, ps in zip(self.parts, self._cut(upstream, sizes_out), self._cut(outputs, sizes_out),
                                            self._cut(partials, [n for _, n, _ in self.parts])):

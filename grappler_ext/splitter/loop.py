@@ -485,11 +485,7 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     # Carry: a TensorArray per input read sliced (joined after the loop), a sum per input read whole.
     carry0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
               for t, a in zip(external, axes) if a is not None]
-    # The sums start from zeros XLA cannot create before the upstream gradients exist (a constant
-    # zero buffer is allocated at the program's start and held: 24 of [L, 8, 128] in a Transformer).
-    anchor = _opaque_true([u for u in upstream if u is not None] or [v for v in values if v.dtype.is_floating])
-    carry0 += [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, t.dtype) * 0)
-               for t, v, w in zip(external, values, read_whole) if w]     # (v's shape: a prologue's relaid)
+    carry0 += _zero_sums(values, read_whole, [u for u in upstream if u is not None])
 
     def body(i, *carry):
         sliced_grads, whole_grads = slice_grads(i * chunk, chunk)
@@ -505,6 +501,19 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     arrays = sum(a is not None for a in axes)
     return _inputs_gradients(region, external, values, axes, read_whole, length, carried[:arrays],
                              carried[arrays:], tail_sliced, tail_whole)
+
+
+def _zero_sums(values, read_whole, after) -> list[tf.Tensor]:
+    """A zero of each of ``values`` read whole (where ``read_whole``), the start of its gradient's sum
+    over slices, that XLA cannot create before ``after`` and those values exist.  A zero of a static
+    shape (or of one XLA knows when it compiles) is a constant to XLA: it allocates it at the program's
+    start and holds it to the end (24 of [L, 8, 128] in a Transformer), and a loss's upstream gradient
+    (a mean's 1 / count) exists long before its backward runs, where a prologue's recomputed outputs
+    only exist then."""
+    whole = [v for v, w in zip(values, read_whole) if w]
+    anchor = _opaque_true(list(after) + whole or [v for v in values if v.dtype.is_floating])
+    return [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, v.dtype) * 0)
+            for v in whole]        # (v's shape, not its original's: a prologue's output is relaid)
 
 
 def _inputs_gradients(region, external, values, axes, read_whole, length, arrays, sums, tail_sliced,
@@ -529,34 +538,57 @@ def _inputs_gradients(region, external, values, axes, read_whole, length, arrays
     return out
 
 
-def _carried_through_prologue(outputs, grads, values, floating, own) -> list:
-    """``own`` (the inputs' gradients) with the gradients ``grads`` of the prologue's ``outputs``
-    carried back to the inputs ``values`` it reads, added."""
-    carried = [(d, g) for d, g in zip(outputs, grads) if g is not None]
+def _carried_through_prologue(region, external, values, keys, grads, floating, own, relayout=False) -> list:
+    """``own`` (the inputs' gradients) with the gradients ``grads`` of the prologue's outputs ``keys``
+    (as :func:`_in_order` handed them over: relaid where ``relayout``) carried back to the inputs
+    ``values`` it reads, added.
+
+    The prologue is computed again for it and differentiated inside a conditional of its own that
+    waits for ``grads`` (as :func:`_in_order`'s).  Differentiated through :func:`_in_order`'s
+    conditional instead, TensorFlow would make a zero tensor of each output of it that has no
+    gradient (XLA creates such a constant at the program's start and holds it to the end), and
+    an intermediate its gradient reads (a ``tanh``'s output, a run-time shape) would have to leave
+    the conditional, which XLA cannot do for tensors of run-time sizes."""
+    carried = [(ref, tf.convert_to_tensor(g)) for ref, g in zip(keys, grads) if g is not None]
     sources = [k for k in range(len(values)) if floating[k]]
-    if carried and sources:
+    if not carried or not sources:
+        return own
+    relaid = relaid_prologue(region) if relayout else {}
+    connected: list = []
+
+    def branch():
+        derived = run_prologue(region, external, values)
+        outs = [tf.transpose(derived[ref], relaid[ref]) if ref in relaid else derived[ref] for ref, _ in carried]
         # Each input's own share, the others held fixed: an input computed from another outside the
         # region (a decoder layer's input from the embedding through earlier loops) must not carry
         # the other's gradient back through those loops too (counted twice, the loops' backward built
         # a second time, its tensors held with the first's).
         xs = [values[k] for k in sources]
-        more = tf.gradients([d for d, _ in carried], xs, grad_ys=[g for _, g in carried], stop_gradients=xs)
-        for k, g in zip(sources, more):
-            if g is not None:
-                g = tf.convert_to_tensor(g)
-                own[k] = g if own[k] is None else own[k] + g
+        more = tf.gradients(outs, xs, grad_ys=[g for _, g in carried], stop_gradients=xs)
+        connected[:] = [g is not None for g in more]
+        return [tf.convert_to_tensor(g) for g in more if g is not None] or [tf.zeros([])]
+
+    found = iter(tf.cond(_opaque_true([g for _, g in carried]), branch, branch))
+    for k, c in zip(sources, connected):
+        if c:
+            g = next(found)
+            own[k] = g if own[k] is None else own[k] + g
     return own
 
 
-def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]) -> int | None:
+def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec], free: Sequence[bool] = ()) -> int | None:
     """The output a fused loop (:func:`_fused_forward`) differentiates, or ``None`` where it cannot:
     exactly one floating output, a scalar, whose combiner hands each slice a share of the upstream
     gradient fixed before the backward runs (a sum's or a mean's: :attr:`Combiner.linear_upstream`).
     Then the gradient of every input is the upstream scalar times the sum over slices of each
-    slice's gradient for an upstream of one, which the forward loop can compute."""
+    slice's gradient for an upstream of one, which the forward loop can compute.  Outputs ``free``
+    says carry no gradient (:func:`grappler_ext.gradients.carries_gradient`: an accuracy beside the
+    loss) are computed alongside; their upstream is never read."""
     if not combiner.linear_upstream:
         return None
-    floating = [i for i, s in enumerate(partial_specs) if s.dtype.is_floating or s.dtype.is_complex]
+    free = list(free) + [False] * (len(partial_specs) - len(free))
+    floating = [i for i, s in enumerate(partial_specs)
+                if (s.dtype.is_floating or s.dtype.is_complex) and not free[i]]
     if len(floating) != 1 or partial_specs[floating[0]].shape.num_elements() != 1:
         return None
     return floating[0]
@@ -619,7 +651,7 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     fold0 = folding.init(partial_specs, steps)
     arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
                for t, a in zip(inputs, axes) if a is not None]
-    sums0 = [tf.zeros_like(v) for v, w in zip(values_in, read_whole) if w]
+    sums0 = _zero_sums(values_in, read_whole, [])
     counts = (len(fold0), len(arrays0))
 
     def body(i, *carry):
@@ -643,8 +675,8 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
     outputs = folding.finish(list(carried[:counts[0]]), tail_partials, steps * chunk)
     totals = _inputs_gradients(region, inputs, values_in, axes, read_whole, length,
                                carried[counts[0]:sum(counts)], carried[sum(counts):], tail_sliced, tail_whole)
-    return outputs, _carried_through_prologue([derived[ref] for ref in keys], totals[n:], values, floating,
-                                              totals[:n])
+    return outputs, _carried_through_prologue(region, external, values, keys, totals[n:], floating, totals[:n],
+                                              relayout=True)
 
 
 def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_values=None):
@@ -711,7 +743,10 @@ def _in_order(region, external, values, after, relayout: bool = False) -> dict:
     the predicate's value cannot change them.  With ``relayout``, outputs :func:`relaid_prologue` names
     come in its order (the slice builder then takes ``relayout=True``).
     """
-    keys = [o.ref() for op in region.prologue for o in op.outputs]
+    # Only what the loop reads: an intermediate output of the conditional has no gradient, and the
+    # conditional's gradient would make it a zero tensor of its size, which XLA creates at the program's
+    # start and holds to its end (a [B, L, N, H] projection before its bias).
+    keys = [o.ref() for op in region.prologue for o in op.outputs if o.ref() in region.whole_inputs]
     if not keys:
         return {}
 
@@ -745,4 +780,4 @@ def _backward_with_prologue(region, build, external, axes, read_whole, values, o
     grads = _backward(region, inner_build, inner_external, list(axes) + [None] * len(keys),
                       list(read_whole) + [True] * len(keys), inner_values, outputs, upstream, combiner,
                       chunk, list(floating) + extra_floating)
-    return _carried_through_prologue([derived[ref] for ref in keys], grads[n:], values, floating, grads[:n])
+    return _carried_through_prologue(region, external, values, keys, grads[n:], floating, grads[:n], relayout=True)

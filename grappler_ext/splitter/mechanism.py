@@ -161,9 +161,25 @@ def fusable(graph, options, region: Region, length: int, chunk: int) -> bool:
     or a mean (:func:`.loop.fusable`), and a gradient recorded inside the function differentiates
     what is computed from it (else those gradients would only cost time)."""
     combiner, specs, differentiable, _ = combined(options, region, ChunkPlan(length, chunk, 0))
+    free = gradient_free(options)
     # The combiner first: the recorded gradients' ancestors are most of the graph.
-    return (differentiable and loop_fusable(combiner, specs) is not None
-            and gradients.differentiated(graph, [o.root for o in options]))
+    return (differentiable and loop_fusable(combiner, specs, _per_partial(free, combiner, specs)) is not None
+            and gradients.differentiated(graph, [o.root for o, f in zip(options, free) if not f]))
+
+
+def gradient_free(options) -> list[bool]:
+    """For each root, whether none of its outputs carries a gradient to the function's inputs or
+    variables (:func:`grappler_ext.gradients.carries_gradient`: a metric beside the loss).  The
+    loop's own gradient for an input that carries it (the metric's hits as floats) may then leave
+    the root's share out: it ends at ops without a gradient."""
+    return [not any(gradients.carries_gradient(t) for t in o.root.outputs) for o in options]
+
+
+def _per_partial(free: list[bool], combiner, specs) -> list[bool]:
+    """A root's flag for each of its partial results, in the loop's order."""
+    if isinstance(combiner, combiners.Group):
+        return [f for f, (_, n, _) in zip(free, combiner.parts) for _ in range(n)]
+    return [free[0]] * len(specs)
 
 
 def tiles(options, region: Region, plan: ChunkPlan, backward_chunk: int,
@@ -220,7 +236,8 @@ def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: 
     loop, in ``plan``'s chunks (where :func:`fusable`); ``tiled``: an attention's loop in these tiles
     (:func:`tiles`)."""
     combiner, specs, differentiable, counts = combined(options, region, plan)
-    target = loop_fusable(combiner, specs) if fused and differentiable else None
+    target = (loop_fusable(combiner, specs, _per_partial(gradient_free(options), combiner, specs))
+              if fused and differentiable else None)
     if fused and target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")
     if tiled is not None:

@@ -257,7 +257,7 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
     for k, s in enumerate(summed):
         if s:
             grads[k] = next(it)
-    return _carried_through_prologue([derived[ref] for ref in keys], grads[n:], values, floating[:n], grads[:n])
+    return _carried_through_prologue(region, external, values, keys, grads[n:], floating[:n], grads[:n])
 
 
 def build_tiled(region: Region, tiles: TilePlan, backward_tiles: TilePlan, combiner: Combiner,

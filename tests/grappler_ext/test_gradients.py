@@ -364,3 +364,22 @@ def test_an_input_read_sliced_and_whole_gets_each_part_once(tape_inside):
     assert record.plan.describe() == "`Sum` sum over input 0 axis 0", record.reason
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12 * np.abs(e).max())
+
+
+def test_a_gradient_is_carried_along_floats_only():
+    """A loss reaches its inputs and the variables it reads; an accuracy (an argmax's integers compared
+    with the labels, counted as floats) and a stop_gradient reach nothing: their gradients are zero."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        labels = tf.compat.v1.placeholder(tf.int64, [4])
+        w = tf.Variable(tf.ones([3, 3]))
+        logits = x @ w
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+        hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), labels), tf.float32))
+        frozen = tf.reduce_sum(tf.stop_gradient(logits) ** 2)
+        constant = tf.reduce_sum(tf.ones([4]) * 2.0)
+        assert gradients.carries_gradient(loss)
+        assert gradients.carries_gradient(tf.reduce_sum(w.read_value()))
+        assert not gradients.carries_gradient(hits)
+        assert not gradients.carries_gradient(frozen)
+        assert not gradients.carries_gradient(constant)

@@ -188,9 +188,13 @@ def test_a_length_known_at_run_time_masks_the_last_slice():
         tf_memsafe.disable()
 
 
+BIAS = tf.Variable(RNG.standard_normal((H, D)) / 4)
+
+
 def batched_heads(x, t, weights):
-    """multi_head over a batch: [B, L, D] inputs, keys and values [B, L, H, D] (the prologue's)."""
-    q, k, v = (tf.einsum("bld,dhe->blhe", x, w) for w in weights)
+    """multi_head over a batch: [B, L, D] inputs, keys and values [B, L, H, D] (the prologue's) with a
+    bias, as Keras' EinsumDense adds one (an ``Add`` whose gradient reads its inputs' shapes)."""
+    q, k, v = (tf.tanh(tf.einsum("bld,dhe->blhe", x, w)) + BIAS for w in weights)
     probs = tf.nn.softmax(tf.einsum("blhe,bmhe->bhlm", q, k) / 4.0, -1)              # [B, H, L, L]
     return tf.reduce_mean(tf.square(tf.reduce_sum(tf.einsum("bhlm,bmhe->blhe", probs, v), 2) - t))
 
@@ -212,6 +216,29 @@ def test_a_padded_batch_fuses_its_loop_and_keeps_its_prologue():
     naive = tf.function(step_fn(batched_heads, variables(HEADS)), jit_compile=True)
     for (b, n), g in zip(((2, 512), (3, 301)), got):
         assert_close(g, naive(batch[:b, :n], target[:b, :n]))
+
+
+def test_a_metric_beside_the_loss_is_computed_in_the_same_loop():
+    """Keras' train_step computes the metrics from the same logits: an accuracy (an argmax compared
+    with the targets, counted as floats) is a second floating scalar of the loop, whose gradient is
+    zero by construction (no float path reaches the inputs), so the loop still computes the loss's
+    gradients as it goes, the accuracy beside it."""
+    weights = variables()
+
+    def step(x, t):
+        with tf.GradientTape() as tape:
+            out = attention(x, weights)
+            value = tf.reduce_mean(tf.square(out - t))
+        hits = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, -1), tf.argmax(t, -1)), tf.float64))
+        return value, hits, tape.gradient(value, weights)
+
+    expected = tf.function(step, jit_compile=True)(X, TARGET)
+    tf_memsafe.enable(LIMIT, strict=True)
+    with splitter_only():
+        got = tf.function(step, jit_compile=True)(X, TARGET)
+    plans = [p for p in loops() if len(p.roots) == 2]
+    assert plans and plans[0].fused, [p.render() for p in loops()]
+    assert_close(got, expected)
 
 
 def test_adam_steps_update_the_variables_as_written():
