@@ -543,36 +543,44 @@ def _carried_through_prologue(region, external, values, keys, grads, floating, o
     (as :func:`_in_order` handed them over: relaid where ``relayout``) carried back to the inputs
     ``values`` it reads, added.
 
-    The prologue is computed again for it and differentiated inside a conditional of its own that
-    waits for ``grads`` (as :func:`_in_order`'s).  Differentiated through :func:`_in_order`'s
-    conditional instead, TensorFlow would make a zero tensor of each output of it that has no
-    gradient (XLA creates such a constant at the program's start and holds it to the end), and
-    an intermediate its gradient reads (a ``tanh``'s output, a run-time shape) would have to leave
-    the conditional, which XLA cannot do for tensors of run-time sizes."""
+    The prologue is computed again for it and differentiated inside conditionals of its own that
+    wait for ``grads`` (as :func:`_in_order`'s), one output after the other: each conditional waits
+    for the one before, so that XLA holds one output's gradient in the layouts its matrix products
+    read (a transposed [B * L, N * H] copy and another of its transpose) at a time, not every
+    output's at once (twelve [8, 2048, 8, 128] tensors in a Transformer's last loop).
+    Differentiated through :func:`_in_order`'s conditional instead, TensorFlow would make a zero
+    tensor of each output of it that has no gradient (XLA creates such a constant at the program's
+    start and holds it to the end), and an intermediate its gradient reads (a ``tanh``'s output, a
+    run-time shape) would have to leave the conditional, which XLA cannot do for tensors of run-time
+    sizes."""
     carried = [(ref, tf.convert_to_tensor(g)) for ref, g in zip(keys, grads) if g is not None]
     sources = [k for k in range(len(values)) if floating[k]]
     if not carried or not sources:
         return own
     relaid = relaid_prologue(region) if relayout else {}
-    connected: list = []
+    after = [g for _, g in carried]
+    for ref, g in carried:
+        connected: list = []
 
-    def branch():
-        derived = run_prologue(region, external, values)
-        outs = [tf.transpose(derived[ref], relaid[ref]) if ref in relaid else derived[ref] for ref, _ in carried]
-        # Each input's own share, the others held fixed: an input computed from another outside the
-        # region (a decoder layer's input from the embedding through earlier loops) must not carry
-        # the other's gradient back through those loops too (counted twice, the loops' backward built
-        # a second time, its tensors held with the first's).
-        xs = [values[k] for k in sources]
-        more = tf.gradients(outs, xs, grad_ys=[g for _, g in carried], stop_gradients=xs)
-        connected[:] = [g is not None for g in more]
-        return [tf.convert_to_tensor(g) for g in more if g is not None] or [tf.zeros([])]
+        def branch(ref=ref, g=g, connected=connected):
+            derived = run_prologue(region, external, values)
+            out = tf.transpose(derived[ref], relaid[ref]) if ref in relaid else derived[ref]
+            # Each input's own share, the others held fixed: an input computed from another outside
+            # the region (a decoder layer's input from the embedding through earlier loops) must not
+            # carry the other's gradient back through those loops too (counted twice, the loops'
+            # backward built a second time, its tensors held with the first's).
+            xs = [values[k] for k in sources]
+            more = tf.gradients([out], xs, grad_ys=[g], stop_gradients=xs)
+            connected[:] = [m is not None for m in more]
+            return [tf.convert_to_tensor(m) for m in more if m is not None] or [tf.zeros([])]
 
-    found = iter(tf.cond(_opaque_true([g for _, g in carried]), branch, branch))
-    for k, c in zip(sources, connected):
-        if c:
-            g = next(found)
-            own[k] = g if own[k] is None else own[k] + g
+        found = tf.cond(_opaque_true(after), branch, branch)
+        after = list(found)
+        found = iter(found)
+        for k, c in zip(sources, connected):
+            if c:
+                m = next(found)
+                own[k] = m if own[k] is None else own[k] + m
     return own
 
 
