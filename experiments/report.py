@@ -345,6 +345,23 @@ def wide_layer_lines(data: dict) -> list[str]:
                        "written in place", "step", "first call", "rel. diff"], body)]
 
 
+def encoder_layer_lines(data: dict) -> list[str]:
+    from experiments import encoder_layer
+
+    rows = [encoder_layer.Row(**r) for r in data["rows"]]
+    body = [[r.keras, r.program, str(r.depth), f"{r.length:,}", m.fmt_bytes(r.naive_bytes), m.fmt_bytes(r.limit_bytes),
+             m.fmt_bytes(r.tfms_bytes), f"{r.ratio:g}x", "yes" if r.within_limit else "**NO**", str(r.loops),
+             f"{r.naive_first_s:.3g} s / {r.tfms_first_s:.3g} s", m.num(r.max_rel_diff, ".1e"),
+             "yes" if r.warned else "-"] for r in rows]
+    return [f"Batch {data.get('batch')}, d_model {data.get('d_model')}, {data.get('heads')} heads, float32; each "
+            f"program under its naive figure / {data.get('ratio')}. XLA's footprint as written and rewritten "
+            "(compiled), the loops made, the first call (trace, rewrite, compile, one run; for `fit`, its first "
+            "epoch) as written / rewritten, the largest difference over the largest magnitude against as written, "
+            "and whether tf_memsafe warned.", "",
+            *md_table(["Keras", "program", "layers", "L", "naive", "limit", "tf_memsafe", "naive / ours", "within",
+                       "loops", "first call", "rel. diff", "warned"], body)]
+
+
 def distributed_lines(data: dict) -> list[str]:
     from experiments import distributed
 
@@ -470,6 +487,11 @@ EXPERIMENTS = (
                "the kernel, its gradient and the optimizer's slots crowd the limit: split along the kernel's "
                "columns, each column block's forward, gradient and update in one loop step, written in place.",
                wide_layer_lines),
+    Experiment("encoder_layer", "Encoder layers at batch 4", "experiments.encoder_layer", "encoder_layer",
+               "A Transformer encoder layer written the ordinary Keras way (MultiHeadAttention, a Dense feed-forward "
+               "pair, two LayerNormalizations), one and two stacked, at batch 4 in Keras 3 and tf_keras: its forward, "
+               "a training step with the tape inside, and `fit` on `.batch(4)` (the batch unknown in the step), each "
+               "under a sixteenth of its own naive figure.", encoder_layer_lines),
     Experiment("compile_time", "Compile time of causal masks", "experiments.compile_time", "compile_time",
                "First calls of Keras attention layers whose causal masks are running sums of ones (Keras 3's "
                "`MultiHeadAttention` with dropout, tf_keras' `Attention`): XLA folds those scans at compile time; "

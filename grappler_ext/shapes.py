@@ -22,7 +22,10 @@ every tensor without a table, read ``size``:
     with shapes.nominal(2048, table, {0: 8}):
         shapes.dims(scores)     # [8, 4, 2048, 2048] for scores of shape [?, 4, ?, ?]
 
-Outside :func:`nominal` (and for tensors of unknown rank) these are the static shapes as they are.
+Outside :func:`nominal` these are the static shapes as they are.  A tensor of unknown rank is read
+through the table where the inference on its copy found its rank (a gradient's sum over the axes a
+``BroadcastGradientArgs`` of run-time shapes gives: Keras 3's ``Dense`` on a batch of unknown size);
+otherwise it has no dimensions to read.
 The setting is per thread and per context (``contextvars``): two threads tracing at once each
 plan with their own.  The mechanism (what is built into a graph) never reads the nominal size:
 it reads ``t.shape`` itself.
@@ -95,10 +98,10 @@ class Symbols:
         """``t``'s shape when the function runs (size 1 along ``unit_axes``) as an int32 vector XLA
         resolves, or ``None`` where a dimension is not a product of the run-time sizes."""
         known = self.names.get(t.name)
-        if known is None or t.shape.rank is None:
+        if known is None:
             return None
         out = []
-        for i, (d, m) in enumerate(zip(t.shape.as_list(), known)):
+        for i, (d, m) in enumerate(zip(_statics(t, known), known)):
             if i in unit_axes or d is not None:
                 out.append(tf.constant(1 if i in unit_axes else d, tf.int32))
             elif m is None:
@@ -109,7 +112,7 @@ class Symbols:
 
     def same_as(self, new: tf.Tensor, old: tf.Tensor) -> None:
         """``new`` has ``old``'s shape (a loop's output in place of the region's root's)."""
-        if old.name in self.names and new.shape.rank == old.shape.rank:
+        if old.name in self.names and new.shape.rank in (None, old.shape.rank):
             self.names[new.name] = self.names[old.name]
 
 
@@ -247,15 +250,18 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
     for op in copy.get_operations():
         original, check = originals.get(op.name), checks.get(op.name)
         for i, (o, t) in enumerate(zip(op.outputs, original.outputs if original is not None else ())):
-            if t.shape.rank is None or t.shape.is_fully_defined() or o.shape.rank != t.shape.rank:
+            # (a rank the graph does not know but the copy does: a gradient's sum over the axes a
+            # ``BroadcastGradientArgs`` of run-time shapes gives, which the copy's inference evaluates)
+            if o.shape.rank is None or t.shape.is_fully_defined() or t.shape.rank not in (None, o.shape.rank):
                 continue
             other = check.outputs[i].shape.as_list() if check is not None and check.outputs[i].shape.rank == \
                 o.shape.rank else None
+            statics = t.shape.as_list() if t.shape.rank is not None else [None] * o.shape.rank
             table[t.name] = tuple(
                 None if d is None else (d, ()) if s is not None else
                 _monomial(d, count) if again is None else
                 None if other is None or other[j] is None else _exactly(d, other[j], count)
-                for j, (d, s) in enumerate(zip(o.shape.as_list(), t.shape.as_list())))
+                for j, (d, s) in enumerate(zip(o.shape.as_list(), statics)))
     return table
 
 
@@ -298,7 +304,7 @@ def known_shape(t: tf.Tensor) -> bool:
     if t.shape.is_fully_defined():
         return True
     known = monomials(t)
-    return known is not None and all(m is not None or d is not None for m, d in zip(known, t.shape.as_list()))
+    return known is not None and all(m is not None or d is not None for m, d in zip(known, _statics(t, known)))
 
 
 def symbolic() -> tuple[Symbols, int, dict[int, int]] | None:
@@ -322,6 +328,12 @@ def nominal_key() -> tuple | None:
     return (size, id(table), len(table.names) if table is not None else 0, tuple(sorted(values.items())))
 
 
+def _statics(t: tf.Tensor, known) -> list[int | None]:
+    """``t``'s static dimensions; for a tensor of unknown rank the table reads (``known``), one
+    ``None`` for each dimension it has there."""
+    return t.shape.as_list() if t.shape.rank is not None else [None] * len(known)
+
+
 def _evaluate(m: Monomial | None, size_of):
     """``m`` with each symbol ``k`` read as ``size_of(k)`` (an int, or a run-time tensor); ``None`` for ``None``."""
     if m is None:
@@ -339,12 +351,12 @@ def exact_dims(t: tf.Tensor) -> list[int | None] | None:
     its own far above any static size (so that ``a * b``, ``a % b == 0``, ``a // b`` and ``a == b``
     of such ints are those of the monomials: a reshape's factors through [B * L, E] -> [B, L, E]);
     ``None`` for a dimension that is neither.  The static shape outside such planning; ``None`` for
-    an unknown rank."""
-    if t.shape.rank is None:
-        return None
+    an unknown rank the table does not know."""
     known = monomials(t)
+    if t.shape.rank is None and known is None:
+        return None
     return [d if d is not None else _evaluate(known[i], _EXACT.__getitem__) if known is not None else None
-            for i, d in enumerate(t.shape.as_list())]
+            for i, d in enumerate(_statics(t, known))]
 
 
 def is_symbolic(size: int) -> bool:
@@ -374,16 +386,16 @@ def dynamic_axes(t: tf.Tensor) -> tuple[int, ...]:
 
 def dims(t: tf.Tensor) -> list[int | None] | None:
     """``t``'s dimensions, unknown ones read as the nominal size (``None`` outside :func:`nominal`);
-    ``None`` for an unknown rank."""
-    if t.shape.rank is None:
-        return None
+    ``None`` for an unknown rank (outside :func:`nominal`, or where its table does not know it)."""
     state = _NOMINAL.get()
     if state is None:
-        return t.shape.as_list()
+        return None if t.shape.rank is None else t.shape.as_list()
     size, table, values = state
     known = table.names.get(t.name) if table is not None else None
+    if t.shape.rank is None and known is None:
+        return None
     out = []
-    for i, d in enumerate(t.shape.as_list()):
+    for i, d in enumerate(_statics(t, known)):
         if d is None:
             d = _evaluate(known[i], lambda k: values.get(k, size)) if known is not None else None
             d = size if d is None else d

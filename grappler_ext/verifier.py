@@ -7,7 +7,11 @@ Checks, on the ops reachable from the graph's outputs:
 * the outputs keep their number, dtypes and static shapes from before the pipeline;
 * every op tf_memsafe generated has fully known static shapes (the memory model and XLA need them),
   except integer vectors, which are shape arithmetic (``tf.gradients`` builds ``BroadcastGradientArgs``
-  and friends, whose lengths it does not infer; XLA folds them).
+  and friends, whose lengths it does not infer; XLA folds them).  In a function with inputs of
+  run-time sizes, its dimensions may be unknown but not its rank, except in what TensorFlow's own
+  gradient functions make (a ``BatchMatMulV2``'s gradient sums over the axes a
+  ``BroadcastGradientArgs`` of run-time shapes gives: of unknown rank, as in the gradients TensorFlow
+  traced; the memory model reads it through its symbol table, XLA when it compiles).
 
 A failure raises :class:`VerificationError` naming what is wrong; the pipeline adds which pass
 ran just before.
@@ -75,7 +79,13 @@ def verify(graph, expected: OutputSignature | None = None) -> None:
                 continue  # (a fused batch norm's reserve space has no static shape, as TF makes it)
             if t.dtype.is_integer and t.shape.rank is not None and t.shape.rank <= 1:
                 continue  # shape arithmetic
-            if dynamic and t.shape.rank is not None:
+            if dynamic and (t.shape.rank is not None or _made_by_a_gradient_function(op)):
                 continue
             if not t.shape.is_fully_defined():
                 raise VerificationError(f"generated op `{op.name}` has unknown static shape {t.shape}")
+
+
+def _made_by_a_gradient_function(op: tf.Operation) -> bool:
+    """Whether ``op`` was made by a registered gradient function (``tf.gradients`` names the scope of
+    op ``x``'s gradient ``x_grad``)."""
+    return any(part.endswith("_grad") for part in op.name.split("/")[:-1])

@@ -101,15 +101,17 @@ class Nominal:
 
 def needs_at(graph, size: int, at: Nominal | None = None) -> int | None:
     """The memory model's count of ``graph`` with its run-time dimensions at ``size`` (read as ``at``
-    says, if given; the static part, a lower bound, where an op has no byte rule); ``None`` where
-    sizes decided inside the program stay unknown (a sparse update's ``Unique``)."""
+    says, if given; where an op has no byte rule, the rest of the program, a lower bound: a mixed
+    precision optimizer's loss-scale conditional does not stop a padded batch's step being planned,
+    and XLA's figure at the nominal size judges the plan); ``None`` where sizes decided inside the
+    program stay unknown (a sparse update's ``Unique``)."""
     with (at.sizes(size) if at is not None else shapes.nominal(size)):
         est, _ = memory_model.analyse(graph)
     if est.dynamic_tensors:
         return None
     if est.peak_bytes is not None:
         return est.peak_bytes
-    return None if est.unknown_ops else est.parameter_bytes + est.constant_bytes + est.live_peak_bytes
+    return est.parameter_bytes + est.constant_bytes + est.live_peak_bytes
 
 
 def growth(needs: Callable[[int], int | None]) -> Growth | None:

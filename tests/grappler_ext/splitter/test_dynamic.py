@@ -379,6 +379,48 @@ def test_symbols_read_dimensions_as_products_of_the_run_time_sizes():
     assert shapes.symbols(tied, []) is None
 
 
+def test_symbols_give_a_rank_the_graph_does_not_know():
+    """Keras 3's ``Dense`` on [B, L, D] is a ``BatchMatMulV2`` against a [D, E] kernel; its kernel's
+    gradient sums over the axes a ``BroadcastGradientArgs`` of the run-time shapes gives, so the
+    graph does not know the sum's rank, and the memory model could not count it (a ``fit`` on
+    ``.batch(4)`` was left unsplit).  The inference on the table's copy evaluates those axes: the
+    sum is read as [D, E] under the nominal sizes, and has no dimensions outside them."""
+    kernel = tf.Variable(np.ones((8, 16), np.float32))
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(tf.matmul(x, kernel))
+        return tape.gradient(y, kernel)
+    g = _graph_of(fn, tf.TensorSpec([None, 32, 8]))
+    (summed,) = [op.outputs[0] for op in g.get_operations()
+                 if op.type == "Sum" and op.outputs[0].shape.rank is None and "MatMul" in op.name
+                 and op.outputs[0].consumers()[0].outputs[0].shape == (8, 16)]
+    table = shapes.symbols(g, nominal.dynamic_inputs(g))
+    assert table.names[summed.name] == ((8, ()), (16, ()))
+    assert shapes.dims(summed) is None and shapes.exact_dims(summed) is None
+    with shapes.nominal(64, table):
+        assert shapes.dims(summed) == [8, 16] and shapes.nbytes(summed) == 8 * 16 * 4
+        assert shapes.known_shape(summed) and shapes.exact_dims(summed) == [8, 16]
+    with shapes.nominal(64):                       # no table: still unknown
+        assert shapes.dims(summed) is None
+
+
+def test_what_grows_is_counted_beside_an_op_without_a_rule():
+    """A mixed-precision optimizer's loss-scale update is a ``tf.cond`` (an ``If``, which the memory
+    model does not count): the rest of the program still says how it grows with the run-time sizes,
+    a lower bound, so a padded batch's step is planned (XLA's figure at the nominal size judges it)."""
+    scale = tf.Variable(1.0)
+
+    def fn(q):
+        e = tf.exp(-_sq(q))                                              # [n, 2000]
+        scale.assign(tf.cond(tf.reduce_sum(e) > 0.0, lambda: scale * 2.0, lambda: scale / 2.0))
+        return e @ VALUES
+    g = _graph_of(fn, *SPEC)
+    assert any(op.type in ("If", "StatelessIf") for op in g.get_operations())
+    grows = nominal.growth(lambda n: nominal.needs_at(g, n))
+    assert grows is not None and grows.per_unit >= 2000 * 4, grows        # at least a row of e a unit
+
+
 def _run_chunk(scaled, planned, least, shape):
     """``scaled(x)``'s chunk for ``planned`` rows, compiled for an input of ``shape`` [B, L, 4]."""
     @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, None, 4])])
