@@ -71,7 +71,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from grappler_ext import blocked_top_k, folding, graph_edit, op_types, shapes
+from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, op_types, shapes
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -638,12 +638,14 @@ def _einsum(op, output_index, axis):
 # solve(A, B)[.., :, s:s+c] = solve(A, B[.., :, s:s+c])     columns of the right-hand side are
 #                                                           solved independently (lower, adjoint alike)
 # solve(A, B)[s:s+c, ..] = solve(A[s:s+c, ..], B[s:s+c, ..])  batch axes, unless broadcast
-# The row axis couples every row of the solution: refused.
+# The row axis couples every row of the solution: refused.  A triangular solve against a large
+# matrix read whole is rebuilt blocked (grappler_ext.blocked_linalg: XLA's own expansion hoists
+# masked copies and slices of the matrix out of the loop, about 1.75 of it).
 @rule("MatrixTriangularSolve", "MatrixSolve")
 def _solve(op, output_index, axis):
     rank = op.outputs[0].shape.rank
     if axis == rank - 1:
-        return Propagation((None, op.inputs[1].shape.rank - 1), (axis,))
+        return Propagation((None, op.inputs[1].shape.rank - 1), (axis,), rebuild=_blocked_solve)
     if axis == rank - 2:
         return Refusal(f"`{op.type}` couples the rows (axis {axis}) of its solution: not split")
     axes = _broadcast(op, axis, (0, 1))
@@ -945,6 +947,10 @@ def _top_k(op, output_index, axis):
     if axis == op.outputs[0].shape.rank - 1:
         return Refusal(f"`TopKV2` selects along axis {axis}, the split axis")
     return Propagation((axis, None), (axis, axis), rebuild=_blocked_top_k)
+
+
+def _blocked_solve(op, inputs, chunk):
+    return blocked_linalg.rebuilt_solve(op, inputs)
 
 
 def _blocked_top_k(op, inputs, chunk):
