@@ -54,7 +54,7 @@ from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext import gradients, graph_edit
 from grappler_ext.graph_query import live_ops
-from grappler_ext.op_types import nbytes
+from grappler_ext.op_types import BROADCASTING_ELEMENTWISE, UNARY_ELEMENTWISE, nbytes
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pipeline import register_pass
 
@@ -83,29 +83,101 @@ def refusal(op: tf.Operation, inputs: Sequence[tf.Tensor] | None = None) -> str 
     return None
 
 
-def cholesky(a: tf.Tensor, block: int = BLOCK) -> tf.Tensor:
+class Tail:
+    """Elementwise ops from an [n, n] tensor ``raw`` to a factor's matrix (GPflow's kernel: ``variance *
+    exp(-0.5 * (-2 X Xᵀ + |x|² + |x|²ᵀ))`` after its matrix product), their other inputs broadcast
+    scalars and vectors; :meth:`columns` computes them on a block of ``raw``'s columns."""
+
+    def __init__(self, raw: tf.Tensor, ops: Sequence[tf.Operation]):
+        self.raw, self.ops = raw, list(ops)
+        self.n = int(raw.shape[-1])
+
+    @classmethod
+    def of(cls, matrix: tf.Tensor, live) -> Tail | None:
+        """The tail ending in ``matrix`` (its ops read by nothing else live), or ``None``."""
+        n, ops, t = int(matrix.shape[-1]), [], matrix
+        while t.op.type in UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE and t.dtype == matrix.dtype:
+            op = t.op
+            big = [x for x in op.inputs if x.shape == (n, n)]
+            small = [x for x in op.inputs if x.shape != (n, n)]
+            if len(big) != 1 or any(x.shape.rank is None or x.shape.rank > 2 or x.shape.num_elements() is None
+                                    or x.shape.num_elements() > n for x in small):
+                break
+            reader = ops[-1] if ops else None
+            if reader is not None and [c for c in t.consumers() if c in live] != [reader]:
+                break
+            ops.append(op)
+            t = big[0]
+        if not ops or t.dtype != matrix.dtype or [c for c in t.consumers() if c in live] != [ops[-1]]:
+            return None
+        return cls(t, reversed(ops))
+
+    def columns(self, cols: tf.Tensor, start, size: int) -> tf.Tensor:
+        """The tail on ``cols``, ``raw``'s columns ``[start, start + size)``."""
+        env = {self.raw.ref(): cols}
+        for op in self.ops:
+            inputs = [env[x.ref()] if x.ref() in env else self._sliced(x, start, size) for x in op.inputs]
+            env[op.outputs[0].ref()] = graph_edit.clone_op(op, inputs)[0]
+        return env[self.ops[-1].outputs[0].ref()]
+
+    def _sliced(self, t: tf.Tensor, start, size: int) -> tf.Tensor:
+        """``t``, broadcast against [n, n], at the columns' block: its last axis sliced where it is n."""
+        if t.shape.rank == 0 or t.shape[-1] != self.n or self.n == 1:
+            return t
+        begin = tf.concat([tf.zeros([t.shape.rank - 1], tf.int32), tf.reshape(start, [1])], 0)
+        return tf.slice(t, begin, t.shape.as_list()[:-1] + [size])
+
+
+def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None, added: bool = False,
+             tail: Tail | None = None) -> tf.Tensor:
     """``tf.linalg.cholesky(a)`` for one [n, n] matrix, a block of ``block`` columns at a time in
-    ``a``'s buffer (left-looking); the strict upper triangle is zero.  Differentiable: TensorFlow's
-    own formula for a Cholesky's gradient (``linalg_grad``), its solve blocked."""
+    ``a``'s buffer (left-looking); the strict upper triangle is zero.  With ``diagonal`` [n], the
+    factor of ``set_diag(a, diagonal)`` (``added``: of ``a + diag(diagonal)``), each block of the
+    diagonal set as its columns are read, so that ``a``, a kernel matrix, is factored in its own
+    buffer: XLA computes ``set_diag(K, diag_part(K) + noise)``, GPflow's likelihood noise, into a
+    second [n, n] buffer, and reading ``K``'s diagonal keeps the kernel's own fusion from writing
+    over its matrix product.  With ``tail``, ``a`` is the [n, n] operand of elementwise ops (a
+    kernel's ``exp`` of its distances' matrix product) computed on each block of columns as the loop
+    reads it (:class:`Tail`): the product's buffer becomes the factor's, where XLA would hold the
+    product and the kernel matrix at once (a loop's input buffer is not shared with its producer's
+    operands).  Differentiable: TensorFlow's own formula for a Cholesky's gradient (``linalg_grad``),
+    its solve blocked; with ``tail``, TensorFlow differentiates the loop itself (the pass uses it only
+    where no gradient is taken)."""
+    if tail is not None:
+        return _cholesky(a, block, diagonal, added, tail)
+
+    def gradient(lower, dl):
+        eye = tf.eye(int(a.shape[-1]), dtype=a.dtype)
+        inverse = triangular_solve(lower, eye, lower=True, block=block)
+        middle = tf.matmul(lower, dl, transpose_a=True)
+        middle = tf.linalg.band_part(tf.linalg.set_diag(middle, 0.5 * tf.linalg.diag_part(middle)), -1, 0)
+        grad_a = tf.matmul(tf.matmul(inverse, middle, transpose_a=True), inverse)
+        return 0.5 * (grad_a + tf.transpose(grad_a))
+
+    if diagonal is None:
+        @tf.custom_gradient
+        def factor(a):
+            lower = _cholesky(a, block)
+            return lower, lambda dl: gradient(lower, dl)
+
+        return factor(a)
 
     @tf.custom_gradient
-    def factor(a):
-        lower = _cholesky(a, block)
+    def factor_with(a, diagonal):
+        lower = _cholesky(a, block, diagonal, added)
 
         def grad(dl):
-            eye = tf.eye(int(a.shape[-1]), dtype=a.dtype)
-            inverse = triangular_solve(lower, eye, lower=True, block=block)
-            middle = tf.matmul(lower, dl, transpose_a=True)
-            middle = tf.linalg.band_part(tf.linalg.set_diag(middle, 0.5 * tf.linalg.diag_part(middle)), -1, 0)
-            grad_a = tf.matmul(tf.matmul(inverse, middle, transpose_a=True), inverse)
-            return 0.5 * (grad_a + tf.transpose(grad_a))
+            grad_a = gradient(lower, dl)
+            return (grad_a if added else tf.linalg.set_diag(grad_a, tf.zeros_like(diagonal)),
+                    tf.linalg.diag_part(grad_a))
 
         return lower, grad
 
-    return factor(a)
+    return factor_with(a, diagonal)
 
 
-def _cholesky(a: tf.Tensor, block: int) -> tf.Tensor:
+def _cholesky(a: tf.Tensor, block: int, diagonal: tf.Tensor | None = None, added: bool = False,
+              tail: Tail | None = None) -> tf.Tensor:
     n = int(a.shape[-1])
     rows = tf.range(n)[:, None]
     cols = tf.range(n)[None, :]
@@ -113,7 +185,14 @@ def _cholesky(a: tf.Tensor, block: int) -> tf.Tensor:
     def column(m, start, size):
         panel = tf.slice(m, tf.stack([start, 0]), [size, n])                      # rows J
         panel = tf.where(cols < start, panel, tf.zeros_like(panel))              # L[J, :start]
-        s = tf.slice(m, tf.stack([0, start]), [n, size]) - tf.matmul(m, panel, transpose_b=True)
+        own = tf.slice(m, tf.stack([0, start]), [n, size])                       # A[:, J]
+        if tail is not None:
+            own = tail.columns(own, start, size)
+        if diagonal is not None:                                                 # its diagonal entries set
+            on = tf.equal(rows, start + tf.range(size)[None, :])
+            part = tf.slice(diagonal, tf.reshape(start, [1]), [size])[None, :]
+            own = tf.where(on, own + part if added else part, own)
+        s = own - tf.matmul(m, panel, transpose_b=True)
         ljj = tf.linalg.band_part(tf.linalg.cholesky(tf.slice(s, tf.stack([start, 0]), [size, size])), -1, 0)
         below = tf.transpose(tf.linalg.triangular_solve(ljj, tf.transpose(s), lower=True))   # S L_JJ^-T
         below = tf.where(rows < start + size, tf.zeros_like(below), below)
@@ -215,6 +294,29 @@ def rebuilt_solve(op: tf.Operation, inputs: Sequence[tf.Tensor]) -> list[tf.Tens
     return [out]
 
 
+def _set_diagonal(factor: tf.Operation, live) -> tuple[tf.Tensor, tf.Tensor | None, bool]:
+    """``(base, diagonal, added)`` where the Cholesky ``factor``'s matrix is ``set_diag(base, diagonal)``
+    (the main diagonal) read by nothing else live, with ``added`` where that is ``set_diag(base,
+    diag_part(base) + s)`` (``diagonal`` then ``s``: ``base + diag(s)``); else ``(matrix, None, False)``."""
+    matrix = factor.inputs[0]
+    op = matrix.op
+    if op.type not in ("MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3") or matrix.shape.rank != 2:
+        return matrix, None, False
+    if op.type != "MatrixSetDiag" and tf.get_static_value(op.inputs[2]) not in (0, [0]):
+        return matrix, None, False
+    if [c for c in matrix.consumers() if c in live] != [factor]:
+        return matrix, None, False
+    base, diagonal = op.inputs[0], op.inputs[1]
+    if diagonal.op.type in ("AddV2", "Add"):
+        for own, other in ((0, 1), (1, 0)):
+            part = diagonal.op.inputs[own].op
+            if part.type in ("MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3") and part.inputs[0] is base \
+                    and (part.type == "MatrixDiagPart" or tf.get_static_value(part.inputs[1]) in (0, [0])) \
+                    and part.outputs[0].shape == diagonal.shape:
+                return base, tf.broadcast_to(diagonal.op.inputs[other], diagonal.shape), True
+    return base, diagonal, False
+
+
 @register_pass
 class BlockedLinalg(GraphPass):
     name = "blocked_linalg"
@@ -231,8 +333,14 @@ class BlockedLinalg(GraphPass):
                 continue
             with graph_edit.building(graph, self.name):
                 if op.type == "Cholesky":
-                    new = cholesky(op.inputs[0])
-                    what = "a Cholesky factor written in its matrix's buffer a block of columns at a time"
+                    base, diagonal, added = _set_diagonal(op, live)
+                    tail = None if gradients.records(graph) else Tail.of(base, live)
+                    new = cholesky(tail.raw if tail else base, diagonal=diagonal, added=added, tail=tail)
+                    what = ("a Cholesky factor written in its matrix's buffer a block of columns at a time"
+                            + (f", the {len(tail.ops)} elementwise ops before it computed on each block"
+                               if tail else "")
+                            + (", its diagonal added to as it goes" if added else
+                               ", its diagonal set as it goes" if diagonal is not None else ""))
                 else:
                     new = _solve_of(op, op.inputs[0], op.inputs[1])
                     what = "a triangular solve reading its matrix a panel of rows at a time"

@@ -124,6 +124,9 @@ def test_a_gp_prediction_fits_a_limit_only_the_blocked_factor_and_solves_meet():
     got = tf.function(predict, jit_compile=True)(X, TEST)
     records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "blocked_linalg"]
     assert [r.action for r in records] == ["rewritten"] and "Cholesky factor" in records[0].reason
+    # the kernel's exp and scaling computed on each block of the product's columns, the noise added
+    assert "elementwise ops before it computed on each block" in records[0].reason
+    assert "its diagonal added to as it goes" in records[0].reason
     after = _figure(limit)
     assert after <= limit < without, (after, limit, without)
     tf_memsafe.disable()
@@ -175,3 +178,50 @@ def test_a_solve_read_through_the_factors_transpose(through):
 
     want = tf.linalg.triangular_solve(tf.transpose(lm), rhs, lower=False)
     np.testing.assert_allclose(blocked(lm, rhs), want, rtol=0, atol=1e-12 * np.max(np.abs(want)))
+
+
+def test_a_factor_of_a_matrix_with_its_diagonal_set():
+    """``cholesky(set_diag(K, d))`` (GPflow's likelihood noise) factors ``K`` in its own buffer,
+    setting each block's diagonal as it reads it: equal to TensorFlow's, gradients for ``K`` and ``d``."""
+    n, block = 300, 64
+    k, d = tf.constant(_spd(n)), tf.constant(rng.uniform(2.0, 3.0, n))
+
+    def both(factor, k, d):
+        with tf.GradientTape() as tape:
+            tape.watch([k, d])
+            value = tf.reduce_sum(tf.sin(factor(k, d)))
+        return [value] + tape.gradient(value, [k, d])
+
+    got = _jit(lambda k, d: both(lambda k, d: cholesky(k, block, diagonal=d), k, d), k, d)
+    want = both(lambda k, d: tf.linalg.cholesky(tf.linalg.set_diag(k, d)), k, d)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-12 * np.max(np.abs(w)))
+
+
+def test_a_training_loss_with_its_gradients_keeps_the_kernel_whole():
+    """With the tape inside (a GP's log marginal likelihood and its gradient for the data), the
+    factor is blocked but the kernel's elementwise ops are not taken into the loop (TensorFlow would
+    differentiate through it).  The backward holds [n, n] matrices anyway, so XLA's figure does not
+    fall and the guard undoes the rewrite (its record says what it tried); loss and gradient equal to
+    the step as written."""
+    y = tf.constant(rng.standard_normal((N, 1)))
+
+    def loss_and_gradient(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            kmm = _kernel(x, x)
+            lm = tf.linalg.cholesky(tf.linalg.set_diag(kmm, tf.linalg.diag_part(kmm) + 1e-2))
+            alpha = tf.linalg.triangular_solve(lm, y, lower=True)
+            loss = tf.reduce_sum(tf.math.log(tf.linalg.diag_part(lm))) + 0.5 * tf.reduce_sum(tf.square(alpha))
+        return loss, tape.gradient(loss, x)
+
+    naive = tf_memsafe.memory_footprint(loss_and_gradient, X, rewrite=False)
+    tf_memsafe.enable(naive // 2, strict=True)
+    got = tf.function(loss_and_gradient, jit_compile=True)(X)
+    records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "blocked_linalg"]
+    assert any("a Cholesky factor written" in r.reason for r in records), [r.reason for r in records]
+    assert all("elementwise" not in r.reason for r in records), [r.reason for r in records]
+    tf_memsafe.disable()
+    want = tf.function(loss_and_gradient, jit_compile=True)(X)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * np.max(np.abs(w)))
