@@ -53,7 +53,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext import gradients, graph_edit
-from grappler_ext.graph_query import live_ops
+from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.op_types import BROADCASTING_ELEMENTWISE, UNARY_ELEMENTWISE, nbytes
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pipeline import register_pass
@@ -84,9 +84,11 @@ def refusal(op: tf.Operation, inputs: Sequence[tf.Tensor] | None = None) -> str 
 
 
 class Tail:
-    """Elementwise ops from an [n, n] tensor ``raw`` to a factor's matrix (GPflow's kernel: ``variance *
-    exp(-0.5 * (-2 X Xᵀ + |x|² + |x|²ᵀ))`` after its matrix product), their other inputs broadcast
-    scalars and vectors; :meth:`columns` computes them on a block of ``raw``'s columns."""
+    """Elementwise ops from an [n, n] tensor ``raw`` to a factor's matrix, their other inputs
+    broadcast scalars and vectors, or [n, n] tensors made from those by elementwise ops and reshapes
+    of their own shape (GPflow's kernel: ``variance * exp(-0.5 * (-2 X Xᵀ + (|x|² ⊕ |x|²)))``, its
+    outer sum a reshaped broadcast add); :meth:`columns` computes them on a block of ``raw``'s
+    columns.  ``ops`` in the order they run."""
 
     def __init__(self, raw: tf.Tensor, ops: Sequence[tf.Operation]):
         self.raw, self.ops = raw, list(ops)
@@ -94,28 +96,42 @@ class Tail:
 
     @classmethod
     def of(cls, matrix: tf.Tensor, live) -> Tail | None:
-        """The tail ending in ``matrix`` (its ops read by nothing else live), or ``None``."""
-        n, ops, t = int(matrix.shape[-1]), [], matrix
-        while t.op.type in UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE and t.dtype == matrix.dtype:
+        """The tail ending in ``matrix`` (its [n, n] tensors read by nothing else live), or ``None``."""
+        n = int(matrix.shape[-1])
+        inside: dict[str, tf.Operation] = {}
+        raws: list[tf.Tensor] = []
+        stack = [matrix]
+        while stack:
+            t = stack.pop()
             op = t.op
-            big = [x for x in op.inputs if x.shape == (n, n)]
-            small = [x for x in op.inputs if x.shape != (n, n)]
-            if len(big) != 1 or any(x.shape.rank is None or x.shape.rank > 2 or x.shape.num_elements() is None
-                                    or x.shape.num_elements() > n for x in small):
-                break
-            reader = ops[-1] if ops else None
-            if reader is not None and [c for c in t.consumers() if c in live] != [reader]:
-                break
-            ops.append(op)
-            t = big[0]
-        if not ops or t.dtype != matrix.dtype or [c for c in t.consumers() if c in live] != [ops[-1]]:
+            if op.name in inside:
+                continue
+            if not _recomputable(op, n) or t.dtype != matrix.dtype:
+                raws.append(t)
+                continue
+            inside[op.name] = op
+            for x in op.inputs:
+                if x.shape == (n, n):
+                    stack.append(x)
+                elif not _small(x, n) and not (op.type == "Reshape" and x is op.inputs[1]):
+                    return None
+        raws = list({r.ref(): r for r in raws}.values())
+        if len(raws) != 1 or not inside:
             return None
-        return cls(t, reversed(ops))
+        ops = topological_order(matrix.graph, inside.values())
+        tensors = [raws[0]] + [op.outputs[0] for op in ops if op.outputs[0] is not matrix]
+        if any(c not in inside.values() for t in tensors for c in t.consumers() if c in live):
+            return None
+        return cls(raws[0], ops)
 
     def columns(self, cols: tf.Tensor, start, size: int) -> tf.Tensor:
         """The tail on ``cols``, ``raw``'s columns ``[start, start + size)``."""
         env = {self.raw.ref(): cols}
         for op in self.ops:
+            if op.type == "Reshape":                       # of its own shape: the same block
+                env[op.outputs[0].ref()] = env[op.inputs[0].ref()] if op.inputs[0].ref() in env else \
+                    self._sliced(op.inputs[0], start, size)
+                continue
             inputs = [env[x.ref()] if x.ref() in env else self._sliced(x, start, size) for x in op.inputs]
             env[op.outputs[0].ref()] = graph_edit.clone_op(op, inputs)[0]
         return env[self.ops[-1].outputs[0].ref()]
@@ -126,6 +142,22 @@ class Tail:
             return t
         begin = tf.concat([tf.zeros([t.shape.rank - 1], tf.int32), tf.reshape(start, [1])], 0)
         return tf.slice(t, begin, t.shape.as_list()[:-1] + [size])
+
+
+def _small(t: tf.Tensor, n: int) -> bool:
+    """A scalar or vector broadcast against [n, n]: rank <= 2, at most n elements."""
+    return t.shape.rank is not None and t.shape.rank <= 2 and t.shape.num_elements() is not None \
+        and t.shape.num_elements() <= n
+
+
+def _recomputable(op: tf.Operation, n: int) -> bool:
+    """An [n, n] output a block of columns of which is computed from the same block of its inputs:
+    an elementwise op, or a reshape of an [n, n] tensor (or of a broadcast [n, 1] + [1, n]) to itself."""
+    if len(op.outputs) != 1 or op.outputs[0].shape != (n, n):
+        return False
+    if op.type == "Reshape":
+        return op.inputs[0].shape == (n, n)
+    return op.type in UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE
 
 
 def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None, added: bool = False,
