@@ -10,11 +10,41 @@ by hand.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 import enum
+import warnings
+from collections.abc import Iterator
 from typing import ClassVar, Literal
 
-__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "ShardedAxis", "Motive", "REWRITTEN", "SKIPPED"]
+__all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "ShardedAxis", "Motive", "REWRITTEN", "SKIPPED",
+           "warn", "deferred_warnings"]
+
+# The warnings passes give inside a pipeline's run, given when it ends (``None``: outside one).
+_DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grappler_ext_deferred_warnings",
+                                                                        default=None)
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """A pass's warning to the user (``"tf_memsafe: ..."``): given now, or, inside a pipeline's run
+    (:func:`deferred_warnings`), when the run ends, where the pipeline checks that it still holds (a
+    later pass may have brought the program within its limit)."""
+    pending = _DEFERRED.get()
+    if pending is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    else:
+        pending.append(message)
+
+
+@contextlib.contextmanager
+def deferred_warnings() -> Iterator[list[str]]:
+    """Collect the passes' warnings (:func:`warn`) given inside the block, in order, instead of giving them."""
+    token = _DEFERRED.set([])
+    try:
+        yield _DEFERRED.get()
+    finally:
+        _DEFERRED.reset(token)
 
 REWRITTEN: Literal["rewritten"] = "rewritten"
 SKIPPED: Literal["skipped"] = "skipped"

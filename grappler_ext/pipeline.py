@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from grappler_ext.graph_edit import Journal, journaled
 from grappler_ext.guard import Code as GuardCode
 from grappler_ext.guard import Guard, Verdict
-from grappler_ext.pass_base import GraphPass, Motive, PassResult, Record
+from grappler_ext.pass_base import GraphPass, Motive, PassResult, Record, deferred_warnings
 from grappler_ext.verifier import OutputSignature, VerificationError, verify
 
 __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "registered_passes",
@@ -134,7 +134,8 @@ class Pipeline:
         ran: list[str] = []
         step = 0
         guarded = _GuardedRun()
-        with journaled(journal):
+        said_by: tuple[int, str] | None = None           # (results so far, pass) at the last warning
+        with journaled(journal), deferred_warnings() as pending:
             for _ in range(options.max_fixed_point_iterations):
                 result.iterations += 1
                 changed = False
@@ -142,6 +143,7 @@ class Pipeline:
                     step += 1
                     self._dump(graph, options, step, p.name, "before")
                     edits_before = len(journal)
+                    said_before = len(pending)
                     try:
                         if p.motive is Motive.MEMORY:
                             pass_result = self._guarded(p, graph, options, journal, guarded)
@@ -160,13 +162,38 @@ class Pipeline:
                     ran.append(p.name)
                     result.results.append(pass_result)
                     changed |= pass_result.changed
+                    if len(pending) > said_before:
+                        said_by = (len(result.results), p.name)
                 if not changed:
                     break
             else:
                 # Every iteration changed the graph.  With a cap of 1 ("run once") that is the request,
                 # not a missed fixed point.
                 result.reached_fixed_point = options.max_fixed_point_iterations == 1
+            said = list(dict.fromkeys(pending))
+            if said and said_by is not None and self._withdrawn(graph, options, result, said_by):
+                said = []
+        for message in said:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         return result
+
+    def _withdrawn(self, graph, options, result: PipelineResult, said_by: tuple[int, str]) -> bool:
+        """Whether a pass's warnings no longer hold: a later pass changed the program (``blocked_linalg``
+        after the splitter's best effort), and XLA's figure for it now is within the limit.  Then a
+        record in the warning pass's name says so."""
+        after, by = said_by
+        later = sorted({r.pass_name for r in result.results[after:] if r.changed})
+        limit = getattr(options, "memory_limit_bytes", None)
+        if not later or limit is None or not self.guard.measures(options):
+            return False
+        figure = self.guard.standing(graph, options).xla
+        if not figure.known or figure.bytes > limit:
+            return False
+        note = PassResult(by)
+        note.skip([], f"its warning withdrawn: after {', '.join(later)}, XLA's figure for the program is "
+                      f"{figure.bytes:,} B, within the limit of {limit:,} B")
+        result.results.append(note)
+        return True
 
     def _guarded(self, p: GraphPass, graph, options, journal: Journal, run: _GuardedRun) -> PassResult:
         """``p.run`` as the guard allows: not on a program within its limit as traced; undone where

@@ -13,13 +13,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import warnings
 
 from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.op_types import nbytes
-from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult
+from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules, sharding
 from grappler_ext.splitter.chunk_plan import ChunkPlan
@@ -244,7 +243,7 @@ class _Run:
     def _warn(self) -> None:
         """The plan's warnings, each once, pointing at the pipeline that ran the pass."""
         for message in dict.fromkeys(self.pending):
-            warnings.warn(f"tf_memsafe: {message}", RuntimeWarning, stacklevel=4)
+            warn(f"tf_memsafe: {message}", stacklevel=4)
 
     def _split(self, est, info, limit) -> None:
         """Split the large tensors planning against ``limit`` (:meth:`_planned`); where the limit

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from grappler_ext import pipeline as pipeline_mod
 from grappler_ext.graph_query import live_ops
-from grappler_ext.pass_base import GraphPass, Motive, PassOptions, PassResult, Record
+from grappler_ext.pass_base import GraphPass, Motive, PassOptions, PassResult, Record, warn
 from grappler_ext.pipeline import Pipeline, PipelineError, register_pass
 from tests.fakes import CountingPass, FailingPass, ScaleOutputsPass, SilentEditPass
 from tf_memsafe.config import make_options
@@ -68,6 +68,26 @@ def test_fixed_point_cap():
     result = p.run(fresh_graph(), make_options(max_fixed_point_iterations=3))
     assert log == ["a"] * 3
     assert result.iterations == 3 and not result.reached_fixed_point
+
+
+class WarningPass(OrderPass):
+    def run(self, graph, options):
+        warn("tf_memsafe: over the limit")
+        warn("tf_memsafe: over the limit")
+        return super().run(graph, options)
+
+
+def test_warnings_are_given_once_when_the_run_ends():
+    """A pass's warnings (``pass_base.warn``) wait for the end of the pipeline's run, each once; outside
+    a pipeline they are given at once.  (Withdrawn where a later pass brings the program within its
+    limit by XLA's figure: ``test_blocked_linalg.py``.)"""
+    log = []
+    p = Pipeline([WarningPass("a", log, changes=1), OrderPass("b", log)])
+    with pytest.warns(RuntimeWarning) as caught:
+        p.run(fresh_graph(), make_options(max_fixed_point_iterations=3))
+    assert [str(w.message) for w in caught] == ["tf_memsafe: over the limit"] and log == ["a", "b"] * 2
+    with pytest.warns(RuntimeWarning, match="over the limit"):
+        WarningPass("a", []).run(fresh_graph(), make_options())
 
 
 def test_duplicate_names_rejected():
