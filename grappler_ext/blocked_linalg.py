@@ -124,6 +124,18 @@ class Tail:
             return None
         return cls(raws[0], ops)
 
+    @property
+    def output(self) -> tf.Tensor:
+        return self.ops[-1].outputs[0]
+
+    @property
+    def inputs(self) -> list[tf.Tensor]:
+        """The floating tensors the ops read besides ``raw`` and each other's outputs (what a
+        gradient reaches through them: a kernel's variance and lengthscales, the points' norms)."""
+        made = {op.outputs[0].ref() for op in self.ops} | {self.raw.ref()}
+        found = {x.ref(): x for op in self.ops for x in op.inputs if x.ref() not in made and x.dtype.is_floating}
+        return list(found.values())
+
     def columns(self, cols: tf.Tensor, start, size: int) -> tf.Tensor:
         """The tail on ``cols``, ``raw``'s columns ``[start, start + size)``."""
         env = {self.raw.ref(): cols}
@@ -173,18 +185,13 @@ def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None
     reads it (:class:`Tail`): the product's buffer becomes the factor's, where XLA would hold the
     product and the kernel matrix at once (a loop's input buffer is not shared with its producer's
     operands).  Differentiable: TensorFlow's own formula for a Cholesky's gradient (``linalg_grad``),
-    its solve blocked; with ``tail``, TensorFlow differentiates the loop itself (the pass uses it only
-    where no gradient is taken)."""
+    its solve blocked; with ``tail``, carried back through the tail's own ops on the whole matrix (a
+    tape outside the function: the backward computes the kernel matrix again)."""
     if tail is not None:
-        return _cholesky(a, block, diagonal, added, tail)
+        return _cholesky_of_tail(block, diagonal, added, tail)
 
     def gradient(lower, dl):
-        eye = tf.eye(int(a.shape[-1]), dtype=a.dtype)
-        inverse = triangular_solve(lower, eye, lower=True, block=block)
-        middle = tf.matmul(lower, dl, transpose_a=True)
-        middle = tf.linalg.band_part(tf.linalg.set_diag(middle, 0.5 * tf.linalg.diag_part(middle)), -1, 0)
-        grad_a = tf.matmul(tf.matmul(inverse, middle, transpose_a=True), inverse)
-        return 0.5 * (grad_a + tf.transpose(grad_a))
+        return _cholesky_gradient(lower, dl, block)
 
     if diagonal is None:
         @tf.custom_gradient
@@ -206,6 +213,37 @@ def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None
         return lower, grad
 
     return factor_with(a, diagonal)
+
+
+def _cholesky_of_tail(block: int, diagonal, added: bool, tail: Tail) -> tf.Tensor:
+    """:func:`cholesky` of ``tail``'s matrix (its diagonal set or added to), differentiable."""
+    inputs = tail.inputs
+    extra = [] if diagonal is None else [diagonal]
+
+    @tf.custom_gradient
+    def factor(raw, *rest):
+        lower = _cholesky(raw, block, diagonal, added, tail)
+
+        def grad(dl):
+            grad_a = _cholesky_gradient(lower, dl, block)
+            grad_t = grad_a if diagonal is None or added else tf.linalg.set_diag(grad_a, tf.zeros_like(diagonal))
+            through = tf.gradients(tail.output, [tail.raw] + inputs, grad_ys=grad_t)
+            through = [tf.zeros_like(x) if g is None else g for g, x in zip(through, [tail.raw] + inputs)]
+            return through + ([tf.linalg.diag_part(grad_a)] if extra else [])
+
+        return lower, grad
+
+    return factor(tail.raw, *inputs, *extra)
+
+
+def _cholesky_gradient(lower: tf.Tensor, dl: tf.Tensor, block: int) -> tf.Tensor:
+    """TensorFlow's gradient of a Cholesky factor ``lower`` (``linalg_grad``), its solve blocked."""
+    eye = tf.eye(int(lower.shape[-1]), dtype=lower.dtype)
+    inverse = triangular_solve(lower, eye, lower=True, block=block)
+    middle = tf.matmul(lower, dl, transpose_a=True)
+    middle = tf.linalg.band_part(tf.linalg.set_diag(middle, 0.5 * tf.linalg.diag_part(middle)), -1, 0)
+    grad_a = tf.matmul(tf.matmul(inverse, middle, transpose_a=True), inverse)
+    return 0.5 * (grad_a + tf.transpose(grad_a))
 
 
 def _cholesky(a: tf.Tensor, block: int, diagonal: tf.Tensor | None = None, added: bool = False,
