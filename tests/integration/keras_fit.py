@@ -9,18 +9,10 @@ from __future__ import annotations
 import warnings
 
 import tf_memsafe
+from experiments.encoder_layer import keras_of  # Keras 3 ("keras3") or tf_keras ("tf_keras") by name
 from tf_memsafe import hook
 
-
-def keras_of(version: str):
-    """Keras 3 (``"keras3"``: what ``tf.keras`` is on TF 2.21) or tf_keras (``"tf_keras"``)."""
-    if version == "keras3":
-        import keras
-    elif version == "tf_keras":
-        import tf_keras as keras
-    else:
-        raise ValueError(f"unknown Keras {version!r}: 'keras3' or 'tf_keras'")
-    return keras
+__all__ = ["keras_of", "fit_under"]
 
 
 def fit_under(model, data, limit, epochs: int = 1):

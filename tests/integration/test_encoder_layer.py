@@ -30,32 +30,20 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from experiments.encoder_layer import BATCH, D_MODEL, encoder_layer
 from grappler_ext.splitter.outcome import Code
 from tests.integration.keras_fit import fit_under, keras_of
 from tf_memsafe import hook, xla_flags
 
 pytestmark = pytest.mark.slow
 
-B, L, D, HEADS = 4, 512, 64, 4
+B, L, D, HEADS = BATCH, 512, D_MODEL, 4
 
 
 def _encoder(keras, dropout: float = 0.0):
-    class Encoder(keras.layers.Layer):
-        def __init__(self):
-            super().__init__()
-            self.attention = keras.layers.MultiHeadAttention(HEADS, D // HEADS, dropout=dropout)
-            self.hidden = keras.layers.Dense(4 * D, activation="relu")
-            self.out = keras.layers.Dense(D)
-            self.dropout = keras.layers.Dropout(dropout)
-            self.norm1 = keras.layers.LayerNormalization()
-            self.norm2 = keras.layers.LayerNormalization()
-
-        def call(self, x, training=False):
-            x = self.norm1(x + self.attention(x, x, training=training))
-            return self.norm2(x + self.dropout(self.out(self.hidden(x)), training=training))
-
+    """The layer (``experiments.encoder_layer``'s, built on ``x``) and ``x`` [B, L, D]."""
     keras.utils.set_random_seed(0)
-    layer = Encoder()
+    layer = encoder_layer(keras, dropout)
     x = tf.constant(np.random.default_rng(0).standard_normal((B, L, D)).astype(np.float32))
     layer(x)
     return layer, x
