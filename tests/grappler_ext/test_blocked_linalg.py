@@ -224,8 +224,7 @@ def test_a_training_loss_with_its_gradients_keeps_the_kernel_whole():
             loss = tf.reduce_sum(tf.math.log(tf.linalg.diag_part(lm))) + 0.5 * tf.reduce_sum(tf.square(alpha))
         return loss, tape.gradient(loss, x)
 
-    naive = tf_memsafe.memory_footprint(loss_and_gradient, X, rewrite=False)
-    tf_memsafe.enable(naive // 2, strict=True)
+    tf_memsafe.enable(25 * 10**6, strict=True)          # (about 51 MB as written)
     got = tf.function(loss_and_gradient, jit_compile=True)(X)
     records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "blocked_linalg"]
     assert any("a Cholesky factor written" in r.reason for r in records), [r.reason for r in records]
@@ -254,8 +253,7 @@ def test_a_tape_outside_differentiates_the_factor_through_its_kernel():
             value = fn(X)
         return value, tape.gradient(value, X)
 
-    naive = tf_memsafe.memory_footprint(nlml, X, rewrite=False)
-    tf_memsafe.enable(naive // 2, strict=True)
+    tf_memsafe.enable(15 * 10**6, strict=True)          # (over it as written: the rewrite below fires)
     got = value_and_gradient(tf.function(nlml, jit_compile=True))
     records = [r for rep in tf_memsafe.reports() for r in rep.records
                if r.pass_name == "blocked_linalg" and r.action == "rewritten"]
