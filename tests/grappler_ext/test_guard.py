@@ -59,7 +59,7 @@ def test_a_program_within_its_limit_is_left_exactly_as_traced():
     (report,) = [r for r in tf_memsafe.reports() if r.function_name == g.name]
     assert report.status == "unchanged"
     fits = {r.pass_name: r for r in report.records if r.code is Code.FITS}
-    assert set(fits) == {"pairwise_distance", "reduce_of_product"}
+    assert set(fits) == {"pairwise_distance", "reduce_of_product", "blocked_linalg"}
     assert "within its limit as traced" in fits["reduce_of_product"].reason
     assert "of 1,000,000,000 B by the memory model" in fits["reduce_of_product"].reason
 
