@@ -134,7 +134,11 @@ class Pipeline:
         ran: list[str] = []
         step = 0
         guarded = _GuardedRun()
-        said_by: tuple[int, str] | None = None           # (results so far, pass) at the last warning
+        # Each pass's warnings from the first run in which it warned (later runs see the program with
+        # the rewrites made after it, its own and others': a second warning about the same program),
+        # and where they were given: (results so far, pass).
+        said: dict[str, list[str]] = {}
+        said_by: tuple[int, str] | None = None
         with journaled(journal), deferred_warnings() as pending:
             for _ in range(options.max_fixed_point_iterations):
                 result.iterations += 1
@@ -162,7 +166,8 @@ class Pipeline:
                     ran.append(p.name)
                     result.results.append(pass_result)
                     changed |= pass_result.changed
-                    if len(pending) > said_before:
+                    if len(pending) > said_before and p.name not in said:
+                        said[p.name] = pending[said_before:]
                         said_by = (len(result.results), p.name)
                 if not changed:
                     break
@@ -170,30 +175,34 @@ class Pipeline:
                 # Every iteration changed the graph.  With a cap of 1 ("run once") that is the request,
                 # not a missed fixed point.
                 result.reached_fixed_point = options.max_fixed_point_iterations == 1
-            said = list(dict.fromkeys(pending))
-            if said and said_by is not None and self._withdrawn(graph, options, result, said_by):
-                said = []
-        for message in said:
+            messages = list(dict.fromkeys(m for ms in said.values() for m in ms))
+            if messages and said_by is not None:
+                messages = self._still_holding(graph, options, result, said_by, messages)
+        for message in messages:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return result
 
-    def _withdrawn(self, graph, options, result: PipelineResult, said_by: tuple[int, str]) -> bool:
-        """Whether a pass's warnings no longer hold: a later pass changed the program (``blocked_linalg``
-        after the splitter's best effort), and XLA's figure for it now is within the limit.  Then a
-        record in the warning pass's name says so."""
+    def _still_holding(self, graph, options, result: PipelineResult, said_by: tuple[int, str],
+                       messages: list[str]) -> list[str]:
+        """The passes' warnings as they hold when the run ends.  Where a later pass changed the program
+        (``blocked_linalg`` after the splitter's best effort), XLA's figure for it decides: within the
+        limit, they are withdrawn and a record in the warning pass's name says so; over it, each says
+        the program's figure now."""
         after, by = said_by
         later = sorted({r.pass_name for r in result.results[after:] if r.changed})
         limit = getattr(options, "memory_limit_bytes", None)
         if not later or limit is None or not self.guard.measures(options):
-            return False
+            return messages
         figure = self.guard.standing(graph, options).xla
-        if not figure.known or figure.bytes > limit:
-            return False
+        if not figure.known:
+            return messages
+        if figure.bytes > limit:
+            return [f"{m} (After {', '.join(later)}: {figure.bytes:,} B by XLA's figure.)" for m in messages]
         note = PassResult(by)
         note.skip([], f"its warning withdrawn: after {', '.join(later)}, XLA's figure for the program is "
                       f"{figure.bytes:,} B, within the limit of {limit:,} B")
         result.results.append(note)
-        return True
+        return []
 
     def _guarded(self, p: GraphPass, graph, options, journal: Journal, run: _GuardedRun) -> PassResult:
         """``p.run`` as the guard allows: not on a program within its limit as traced; undone where
