@@ -116,8 +116,8 @@ class Tail:
                 elif not _small(x, n) and not (op.type == "Reshape" and x is op.inputs[1]):
                     return None
         raws = list({r.ref(): r for r in raws}.values())
-        if len(raws) != 1 or not inside:
-            return None
+        if len(raws) != 1 or not inside or raws[0].dtype != matrix.dtype:
+            return None                    # (a cast's float32 product cannot hold the float64 factor)
         ops = topological_order(matrix.graph, inside.values())
         tensors = [raws[0]] + [op.outputs[0] for op in ops if op.outputs[0] is not matrix]
         if any(c not in inside.values() for t in tensors for c in t.consumers() if c in live):

@@ -262,3 +262,22 @@ def test_a_tape_outside_differentiates_the_factor_through_its_kernel():
     want = value_and_gradient(tf.function(nlml, jit_compile=True))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * np.max(np.abs(w)))
+
+
+def test_a_tail_is_taken_only_from_a_product_of_the_factors_dtype():
+    """The loop writes the factor into the tail's [n, n] operand: a float32 product cast to float64
+    cannot hold it, and two [n, n] operands that are not made from vectors are not a tail."""
+    def graph_of(fn):
+        return tf.function(fn).get_concrete_function(tf.TensorSpec([64, 3], tf.float32)).graph
+
+    def matrix_of(graph):
+        return next(op for op in graph.get_operations() if op.type == "Exp").outputs[0]
+
+    cast = graph_of(lambda x: tf.exp(tf.cast(tf.matmul(x, x, transpose_b=True), tf.float64)))
+    assert blocked_linalg.Tail.of(matrix_of(cast), set(cast.get_operations())) is None
+    plain = graph_of(lambda x: tf.exp(-2.0 * tf.matmul(x, x, transpose_b=True)
+                                      + tf.reshape(tf.reduce_sum(x * x, 1), [-1, 1])))
+    tail = blocked_linalg.Tail.of(matrix_of(plain), set(plain.get_operations()))
+    assert tail is not None and tail.raw.op.type == "MatMul" and [op.type for op in tail.ops] == ["Mul", "AddV2", "Exp"]
+    two = graph_of(lambda x: tf.exp(tf.matmul(x, x, transpose_b=True) * tf.matmul(x, x, transpose_b=True)))
+    assert blocked_linalg.Tail.of(matrix_of(two), set(two.get_operations())) is None
