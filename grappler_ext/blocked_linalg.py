@@ -68,10 +68,10 @@ _FLOATS = (tf.float32, tf.float64)
 def refusal(op: tf.Operation, inputs: Sequence[tf.Tensor] | None = None) -> str | None:
     """Why ``op`` (a ``Cholesky`` or ``MatrixTriangularSolve``) is left as it is on ``inputs`` (its
     own by default; a slice's where the splitter rebuilds it) (``None``: blocked)."""
-    inputs = list(op.inputs) if inputs is None else list(inputs)
-    matrix = inputs[0]
     if op.type not in ("Cholesky", "MatrixTriangularSolve"):
         return f"`{op.type}` has no blocked form here"
+    inputs = list(op.inputs) if inputs is None else list(inputs)
+    matrix = inputs[0]
     if matrix.dtype.base_dtype not in _FLOATS:
         return f"{matrix.dtype.name}: only float32 and float64 are blocked"
     shapes = [matrix.shape] + ([inputs[1].shape] if op.type == "MatrixTriangularSolve" else [])
@@ -182,58 +182,30 @@ def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None
     second [n, n] buffer, and reading ``K``'s diagonal keeps the kernel's own fusion from writing
     over its matrix product.  With ``tail``, ``a`` is the [n, n] operand of elementwise ops (a
     kernel's ``exp`` of its distances' matrix product) computed on each block of columns as the loop
-    reads it (:class:`Tail`): the product's buffer becomes the factor's, where XLA would hold the
+    reads it (:class:`Tail`; ``a`` is its ``raw``): the product's buffer becomes the factor's, where XLA would hold the
     product and the kernel matrix at once (a loop's input buffer is not shared with its producer's
     operands).  Differentiable: TensorFlow's own formula for a Cholesky's gradient (``linalg_grad``),
     its solve blocked; with ``tail``, carried back through the tail's own ops on the whole matrix (a
     tape outside the function: the backward computes the kernel matrix again)."""
-    if tail is not None:
-        return _cholesky_of_tail(block, diagonal, added, tail)
-
-    def gradient(lower, dl):
-        return _cholesky_gradient(lower, dl, block)
-
-    if diagonal is None:
-        @tf.custom_gradient
-        def factor(a):
-            lower = _cholesky(a, block)
-            return lower, lambda dl: gradient(lower, dl)
-
-        return factor(a)
-
-    @tf.custom_gradient
-    def factor_with(a, diagonal):
-        lower = _cholesky(a, block, diagonal, added)
-
-        def grad(dl):
-            grad_a = gradient(lower, dl)
-            return (grad_a if added else tf.linalg.set_diag(grad_a, tf.zeros_like(diagonal)),
-                    tf.linalg.diag_part(grad_a))
-
-        return lower, grad
-
-    return factor_with(a, diagonal)
-
-
-def _cholesky_of_tail(block: int, diagonal, added: bool, tail: Tail) -> tf.Tensor:
-    """:func:`cholesky` of ``tail``'s matrix (its diagonal set or added to), differentiable."""
-    inputs = tail.inputs
+    inputs = tail.inputs if tail is not None else []
     extra = [] if diagonal is None else [diagonal]
 
     @tf.custom_gradient
-    def factor(raw, *rest):
-        lower = _cholesky(raw, block, diagonal, added, tail)
+    def factor(a, *rest):
+        lower = _cholesky(a, block, diagonal, added, tail)
 
         def grad(dl):
             grad_a = _cholesky_gradient(lower, dl, block)
-            grad_t = grad_a if diagonal is None or added else tf.linalg.set_diag(grad_a, tf.zeros_like(diagonal))
-            through = tf.gradients(tail.output, [tail.raw] + inputs, grad_ys=grad_t)
-            through = [tf.zeros_like(x) if g is None else g for g, x in zip(through, [tail.raw] + inputs)]
+            share = grad_a if diagonal is None or added else tf.linalg.set_diag(grad_a, tf.zeros_like(diagonal))
+            through = [share]
+            if tail is not None:
+                through = tf.gradients(tail.output, [a] + inputs, grad_ys=share)
+                through = [tf.zeros_like(x) if g is None else g for g, x in zip(through, [a] + inputs)]
             return through + ([tf.linalg.diag_part(grad_a)] if extra else [])
 
         return lower, grad
 
-    return factor(tail.raw, *inputs, *extra)
+    return factor(a, *inputs, *extra)
 
 
 def _cholesky_gradient(lower: tf.Tensor, dl: tf.Tensor, block: int) -> tf.Tensor:
