@@ -256,12 +256,11 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
                 continue
             other = check.outputs[i].shape.as_list() if check is not None and check.outputs[i].shape.rank == \
                 o.shape.rank else None
-            statics = t.shape.as_list() if t.shape.rank is not None else [None] * o.shape.rank
             table[t.name] = tuple(
                 None if d is None else (d, ()) if s is not None else
                 _monomial(d, count) if again is None else
                 None if other is None or other[j] is None else _exactly(d, other[j], count)
-                for j, (d, s) in enumerate(zip(o.shape.as_list(), statics)))
+                for j, (d, s) in enumerate(zip(o.shape.as_list(), _statics(t, o.shape.as_list()))))
     return table
 
 
@@ -328,10 +327,10 @@ def nominal_key() -> tuple | None:
     return (size, id(table), len(table.names) if table is not None else 0, tuple(sorted(values.items())))
 
 
-def _statics(t: tf.Tensor, known) -> list[int | None]:
-    """``t``'s static dimensions; for a tensor of unknown rank the table reads (``known``), one
-    ``None`` for each dimension it has there."""
-    return t.shape.as_list() if t.shape.rank is not None else [None] * len(known)
+def _statics(t: tf.Tensor, like) -> list[int | None]:
+    """``t``'s static dimensions; for a tensor of unknown rank, one ``None`` for each of ``like``'s
+    (its dimensions as the table's copy found them: monomials, or the copy's own shape)."""
+    return t.shape.as_list() if t.shape.rank is not None else [None] * len(like)
 
 
 def _evaluate(m: Monomial | None, size_of):
