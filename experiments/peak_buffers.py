@@ -16,8 +16,6 @@ Only what XLA's dump says is read; the program is compiled, not run.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 import re
 
 import tensorflow as tf
@@ -88,12 +86,8 @@ def live_at_peak(fn, *args, rewrite: bool = True) -> Peak:
         else:
             with hook.suspended():
                 compiled.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
-        peaks = []
-        for path in glob.glob(os.path.join(folder, "*after_optimizations-buffer-assignment.txt")):
-            with open(path, encoding="utf-8") as f:
-                parsed = parse(f.read(), os.path.basename(path).split(".")[1])
-            if parsed is not None:
-                peaks.append(parsed)
+        peaks = [peak for module, text in xla_flags.buffer_assignments(folder)
+                 if (peak := parse(text, module)) is not None]
     if not peaks:
         raise RuntimeError("XLA dumped no buffer assignment with a peak for this call")
     return max(peaks, key=lambda p: p.total_bytes)

@@ -81,7 +81,7 @@ __all__ = [
     "RESET_FLAG", "DUMP_DEFAULTS", "Flag", "ParsedFlags", "parse_flags", "format_flag", "ensure_reset_flag",
     "user_value", "user_flags", "dump_for_one_compile", "flags_lock", "InvalidFlagError", "validate", "check",
     "set_flags", "unset_flags", "exla_available", "exla_flags_for", "EXLA_FLAGS", "dump_all_compiles",
-    "memory_reports",
+    "memory_reports", "buffer_assignments",
 ]
 
 ENV = "XLA_FLAGS"
@@ -391,7 +391,7 @@ _MODULE_RE = re.compile(r"^module_(\d+)\.(.+?)\.\S*after_optimizations-memory-us
 _TOTAL_RE = re.compile(r"^Total bytes used:\s*(\d+)", re.MULTILINE)
 
 
-def _dumped(folder: str, pattern: re.Pattern, read) -> list[tuple[str, int]]:
+def _dumped(folder: str, pattern: re.Pattern, read) -> list[tuple[str, object]]:
     """``(module name, read(text))`` of every file in ``folder`` whose name ``pattern`` matches (its
     groups: the module's number and name), in compile order; a file ``read`` gives ``None`` is left out."""
     found = []
@@ -426,12 +426,18 @@ _ASSIGNMENT_RE = re.compile(r"^module_(\d+)\.(.+?)\.\S*after_optimizations-buffe
 _ALLOCATION_RE = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.MULTILINE)
 
 
+def buffer_assignments(folder: str) -> list[tuple[str, str]]:
+    """``(module name, text)`` of every buffer assignment dumped in ``folder`` (after optimisations),
+    in compile order."""
+    return _dumped(folder, _ASSIGNMENT_RE, lambda text: text)
+
+
 def allocated_reports(folder: str) -> list[tuple[str, int]]:
     """``(module name, bytes)`` of every buffer assignment in ``folder``, in compile order: what the
     program allocates itself -- its outputs, temporaries and constants -- not counting the parameters
     it is handed (which "Total bytes used" includes)."""
-    return _dumped(folder, _ASSIGNMENT_RE, lambda text: sum(
-        int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter")))
+    return [(module, sum(int(size) for size, kind in _ALLOCATION_RE.findall(text) if not kind.startswith("parameter")))
+            for module, text in buffer_assignments(folder)]
 
 
 # --- Validation in a child process, cached per TensorFlow build -----------------------------------
