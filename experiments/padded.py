@@ -1,6 +1,6 @@
 """Keras ``fit`` on padded batches (batch and length both known only at run time), as written and under a limit.
 
-    python -m experiments.padded [--quick] [--out experiments/results]
+    python -m experiments.padded [--quick] [--keras keras3 tf_keras] [--out experiments/results]
 
 The model is an ordinary attention classifier: ``Embedding``, ``MultiHeadAttention`` (4 heads of 16)
 with a residual and ``LayerNormalization``, ``GlobalAveragePooling1D`` and a ``Dense`` classifier,
@@ -37,6 +37,7 @@ from tf_memsafe import hook, xla_flags
 D, HEADS, VOCAB, BATCH = 64, 4, 100, 4
 LENGTHS, LIMIT = (512, 1024, 2048), 64 * 10**6
 QUICK_LENGTHS, QUICK_LIMIT = (256,), 4 * 10**6
+VERSIONS = ("keras3", "tf_keras")
 
 
 @dataclasses.dataclass
@@ -100,7 +101,7 @@ def _fit(version: str, length: int, limit: int | None) -> tuple:
     return first + second, figure, first_s, statistics.median(steps.times), rewrite, split
 
 
-def run(lengths, limit: int, versions=("keras3", "tf_keras")) -> list[Row]:
+def run(lengths, limit: int, versions=VERSIONS) -> list[Row]:
     rows = []
     for version in versions:
         for length in lengths:
@@ -118,9 +119,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small length, a smoke run")
     parser.add_argument("--out", default=None, help=OUT_HELP)
+    parser.add_argument("--keras", nargs="+", choices=VERSIONS, default=list(VERSIONS),
+                        help="the Keras versions to run (default: both)")
     args = parser.parse_args(argv)
     lengths, limit = (QUICK_LENGTHS, QUICK_LIMIT) if args.quick else (LENGTHS, LIMIT)
-    rows = run(lengths, limit)
+    rows = run(lengths, limit, tuple(args.keras))
     meta = {"limit_bytes": limit, "batch": BATCH, "d_model": D, "heads": HEADS, "quick": args.quick,
             **machine_meta(),
             "how": "run alone on the machine; each fit in turn (naive first), two epochs over the same batches"}

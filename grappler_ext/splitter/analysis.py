@@ -585,6 +585,10 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     return None
 
 
+# Times forward_roots ends the axis earlier, at a tensor where two of its paths part, and looks again.
+_MAX_CUTS = 8
+
+
 def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs: set,
                   ignored: frozenset) -> list[RootOption] | str:
     """The roots that end the split of ``axis`` of ``tensor``, following the readers that keep it.
@@ -595,20 +599,59 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
     that neither keeps nor reduces the axis, ends the region there: its op is a concatenating root
     (SGPR's predictive mean and variance over the test points, each [N_test, ...]) and all its
     readers read the joined result.  Only ``tensor`` itself cannot end so (with the reason).
+
+    Where two paths from one tensor meet again with the axis at two places (an encoder layer's
+    output read by the next layer's queries and keys: their scores hold it along two axes), the
+    axis ends at the tensor where they parted, if it can be joined there (one loop per layer).
     """
+    cuts: set = set()
+    for _ in range(_MAX_CUTS):
+        found = _forward_roots(tensor, axis, order_index, graph_outputs, ignored, cuts)
+        if not isinstance(found, tuple):
+            return found
+        reason, parted = found
+        if parted is None or parted in cuts:
+            return reason
+        cuts.add(parted)
+    return reason
+
+
+def _parted(parent: dict, first, second):
+    """The nearest tensor (a ref) on both of the paths ``parent`` leads up from ``first`` and ``second``."""
+    path = set()
+    while first is not None:
+        path.add(first)
+        first = parent.get(first)
+    while second is not None and second not in path:
+        second = parent.get(second)
+    return second
+
+
+def _forward_roots(tensor, axis, order_index, graph_outputs, ignored, cuts: set):
+    """:func:`forward_roots` ending the axis at ``cuts`` (refs) too; a failure is a string, or
+    ``(reason, ref)`` where two paths meet with the axis at two places (``ref``: where they parted,
+    if it could end the axis there)."""
     roots: dict = {}
     seen: dict = {}
-    stack = [(tensor, axis, UNIT)]
+    parent: dict = {}                  # a tensor's ref -> the ref of the tensor it was first reached from
+    stack = [(tensor, axis, UNIT, None)]
     while stack:
-        t, a, factor = stack.pop()
+        t, a, factor, came_from = stack.pop()
         if t.ref() in seen:
             if seen[t.ref()] != (a, factor):
-                return f"`{t.op.name}` would be split along two axes"
+                parted = _parted(parent, t.ref(), came_from)
+                joinable = parted is not None and parted != tensor.ref() and seen[parted][1].unit and any(
+                    o.kind == "concat" and o.output_axes[parted.deref().value_index] == seen[parted][0]
+                    for o in root_options(parted.deref().op))
+                return f"`{t.op.name}` would be split along two axes", parted if joinable else None
             continue
         seen[t.ref()] = (a, factor)
+        parent[t.ref()] = came_from
         found, pushed, stop, assigned = {}, [], None, False
         if t.ref() in graph_outputs:
             stop = f"`{t.op.name}` is an output of the function"
+        elif t.ref() in cuts:
+            stop = f"`{t.op.name}` is read along the axis at two places further on"
         for reader in sorted(set(t.consumers()), key=lambda op: order_index.get(op, -1)) if stop is None else ():
             if reader not in order_index or reader in ignored or shape_reader(reader):
                 continue
@@ -633,7 +676,8 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
                 stop = f"`{reader.name}` ({reader.type}) neither keeps nor reduces axis {a} of `{t.op.name}`"
                 break
             prop, out_factor = kept
-            pushed.extend((o, b, out_factor) for o, b in zip(reader.outputs, prop.output_axes) if b is not None)
+            pushed.extend((o, b, out_factor, t.ref()) for o, b in zip(reader.outputs, prop.output_axes)
+                          if b is not None)
         if stop is None:
             roots.update(found)
             stack.extend(pushed)

@@ -16,3 +16,4 @@ def test_quick_run_splits_predictions_and_solves_within_an_eighth(tmp_path):
         assert r["limit_bytes"] == r["naive_bytes"] // 8
         assert r["within_limit"] and r["tfms_bytes"] <= r["limit_bytes"], r
         assert r["max_rel_diff"] <= 1e-10, r
+        assert r["naive_s"] > 0 and r["tfms_s"] > 0, r       # both timed where both run

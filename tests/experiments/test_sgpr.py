@@ -27,11 +27,11 @@ def read_csv(path):
 
 
 def test_quick_run_fits_the_limit_and_equals_the_naive_program(tmp_path):
-    assert sgpr.main(["--quick", "--out", str(tmp_path)]) == 0
+    # (one M: the quick run's M = 100 as well took the suite two minutes more)
+    assert sgpr.main(["--quick", "--inducing", "50", "--out", str(tmp_path)]) == 0
     fields, rows = read_csv(tmp_path / "sgpr.csv")
     assert fields == [f.name for f in dataclasses.fields(sgpr.Row)] and REQUIRED <= set(fields)
-    assert {(r["kernel"], r["n"], r["m"]) for r in rows} == {
-        ("se", n, m) for n in ("2000", "4000") for m in ("50", "100")}
+    assert {(r["kernel"], r["n"], r["m"]) for r in rows} == {("se", n, "50") for n in ("2000", "4000")}
     for r in rows:
         assert r["skipped"] == "" and r["naive_skipped"] == "", r
         limit = int(r["limit_bytes"])
@@ -59,7 +59,7 @@ def test_quick_run_fits_the_limit_and_equals_the_naive_program(tmp_path):
     data = json.loads((tmp_path / "sgpr.json").read_text())
     assert len(data["rows"]) == len(rows) and data["tolerances"] == sgpr.TOLERANCES
     assert {(x["m"], x["naive_largest_n_fits"], x["tf_memsafe_largest_n_fits"]) for x in data["reach"]} == {
-        (50, None, 4000), (100, None, 4000)}
+        (50, None, 4000)}
     assert (tmp_path / "sgpr.png").stat().st_size > 10_000
 
 

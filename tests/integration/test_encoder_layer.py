@@ -82,6 +82,26 @@ def test_the_forward_is_one_loop_along_the_sequence(version):
     assert after <= naive / 4, (after, naive)
 
 
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+def test_a_stack_of_two_is_one_loop_per_layer(version):
+    """The first layer's output is read by the second one's queries and keys: the loop along the
+    first one's queries ends there, joined (it made three loops, the first layer's attention and its
+    feed-forward block apart)."""
+    keras = keras_of(version)
+    first, x = _encoder(keras)
+    second = encoder_layer(keras)
+    second(x)
+
+    def forward(x):
+        return second(first(x))
+
+    naive = tf_memsafe.memory_footprint(forward, x, rewrite=False)
+    after, records = _run(forward, x, naive // 8)
+    loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
+    assert len(loops) == 2 and {p.length for p in loops} == {L}, [r.reason for r in records]
+    assert after <= naive / 3.5, (after, naive)      # (3.8x tf_keras, 6.6x Keras 3: read whole, x, k, v)
+
+
 def _step(layer):
     def step(x):
         with tf.GradientTape() as tape:

@@ -133,6 +133,24 @@ class TestForwardRoots:
         assert isinstance(why, str) and "neither keeps nor reduces" in why and "Cholesky" in why, why
 
 
+    def test_the_axis_ends_where_two_of_its_paths_part(self):
+        """Two attention layers: the first one's queries axis reaches the second one's scores through
+        its queries and through its keys (two axes of one tensor), so it ends at the first layer's
+        output, where the paths part, joined there (one loop per layer); the keys' axis ends nowhere."""
+        x, w = tf.TensorSpec([600, 8]), tf.TensorSpec([8, 8])
+
+        def layer(x, w):
+            q, k = x @ w, x @ tf.transpose(w)
+            return x + tf.nn.softmax(tf.matmul(q, k, transpose_b=True), -1) @ x             # [L, 8]
+
+        graph, order_index, outputs = traced(lambda x, w: layer(layer(x, w), w) * 2.0, x, w)
+        first = [o for o in graph.get_operations() if o.type == "MatMul" and o.outputs[0].shape == [600, 600]][0]
+        end = [o for o in graph.get_operations() if o.type == "AddV2"][0]          # the first layer's output
+        roots = analysis.forward_roots(first.outputs[0], 0, order_index, outputs, frozenset())
+        assert [(o.root, o.kind, o.output_axes) for o in roots] == [(end, "concat", (0,))], roots
+        why = analysis.forward_roots(first.outputs[0], 1, order_index, outputs, frozenset())
+        assert isinstance(why, str) and "neither keeps nor reduces" in why, why
+
 def test_downstream_lists_ops_within_the_depth_farthest_first():
     graph, order_index, _ = traced(lambda x, y: tf.reduce_sum(tf.exp(tf.matmul(x, y, transpose_b=True)), 1), X, Y)
     matmul = op_of(graph, "MatMul")
