@@ -47,6 +47,7 @@ class Code(enum.Enum):
 
     FITS = "fits_as_traced"          # within the limit as traced: memory rewrites left alone
     ROSE = "figure_rose"             # the program's figure rose with the rewrite: undone
+    WITHDRAWN = "warning_withdrawn"  # a pass's warning no longer holds: a later pass brought it within
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,7 +200,7 @@ class Pipeline:
             return [f"{m} (After {', '.join(later)}: {figure.bytes:,} B by XLA's figure.)" for m in messages]
         note = PassResult(by)
         note.skip([], f"its warning withdrawn: after {', '.join(later)}, XLA's figure for the program is "
-                      f"{figure.bytes:,} B, within the limit of {limit:,} B")
+                      f"{figure.bytes:,} B, within the limit of {limit:,} B", code=GuardCode.WITHDRAWN)
         result.results.append(note)
         return []
 

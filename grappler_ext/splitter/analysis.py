@@ -610,10 +610,15 @@ def forward_roots(tensor: tf.Tensor, axis: int, order_index: dict, graph_outputs
         if not isinstance(found, tuple):
             return found
         reason, parted = found
-        if parted is None or parted in cuts:
+        if parted is None:
             return reason
-        cuts.add(parted)
+        cuts.add(parted)              # (paths never part at a cut again: nothing is followed past one)
     return reason
+
+
+def _ends(t: tf.Tensor, axis: int) -> list[RootOption]:
+    """The options of ``t``'s op that end a split of ``axis`` there, ``t`` joined along it."""
+    return [o for o in root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == axis]
 
 
 def _parted(parent: dict, first, second):
@@ -640,9 +645,8 @@ def _forward_roots(tensor, axis, order_index, graph_outputs, ignored, cuts: set)
         if t.ref() in seen:
             if seen[t.ref()] != (a, factor):
                 parted = _parted(parent, t.ref(), came_from)
-                joinable = parted is not None and parted != tensor.ref() and seen[parted][1].unit and any(
-                    o.kind == "concat" and o.output_axes[parted.deref().value_index] == seen[parted][0]
-                    for o in root_options(parted.deref().op))
+                joinable = parted is not None and parted != tensor.ref() and seen[parted][1].unit and bool(
+                    _ends(parted.deref(), seen[parted][0]))
                 return f"`{t.op.name}` would be split along two axes", parted if joinable else None
             continue
         seen[t.ref()] = (a, factor)
@@ -684,7 +688,7 @@ def _forward_roots(tensor, axis, order_index, graph_outputs, ignored, cuts: set)
             if not assigned:
                 continue
             stop = f"`{t.op.name}` is assigned to a variable"
-        ends = [o for o in root_options(t.op) if o.kind == "concat" and o.output_axes[t.value_index] == a]
+        ends = _ends(t, a)
         if t is tensor or not ends or not factor.unit:
             # (joined results hold the whole axis: [B * L, E] rows cannot end a loop along L)
             return stop

@@ -16,6 +16,7 @@ import tensorflow as tf
 import tf_memsafe
 from grappler_ext import blocked_linalg
 from grappler_ext.blocked_linalg import MIN_ORDER, cholesky, refusal, triangular_solve
+from grappler_ext.guard import Code as GuardCode
 
 rng = np.random.default_rng(0)
 
@@ -129,8 +130,8 @@ def test_a_gp_prediction_fits_a_limit_only_the_blocked_factor_and_solves_meet():
     # The splitter's best effort (the factor held whole) was over the limit; blocked_linalg, after it,
     # brought the program within: the warning, given when the pipeline ends, is withdrawn (a record).
     assert not [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
-    assert any("its warning withdrawn: after blocked_linalg" in r.reason for rep in tf_memsafe.reports()
-               for r in rep.records if r.pass_name == "splitter")
+    assert any(r.code is GuardCode.WITHDRAWN and "its warning withdrawn: after blocked_linalg" in r.reason
+               for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter")
     records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "blocked_linalg"]
     assert [r.action for r in records] == ["rewritten"] and "Cholesky factor" in records[0].reason
     # the kernel's exp and scaling computed on each block of the product's columns, the noise added

@@ -132,7 +132,6 @@ class TestForwardRoots:
         why = analysis.forward_roots(k, 0, order_index, outputs, frozenset())
         assert isinstance(why, str) and "neither keeps nor reduces" in why and "Cholesky" in why, why
 
-
     def test_the_axis_ends_where_two_of_its_paths_part(self):
         """Two attention layers: the first one's queries axis reaches the second one's scores through
         its queries and through its keys (two axes of one tensor), so it ends at the first layer's
@@ -150,6 +149,7 @@ class TestForwardRoots:
         assert [(o.root, o.kind, o.output_axes) for o in roots] == [(end, "concat", (0,))], roots
         why = analysis.forward_roots(first.outputs[0], 1, order_index, outputs, frozenset())
         assert isinstance(why, str) and "neither keeps nor reduces" in why, why
+
 
 def test_downstream_lists_ops_within_the_depth_farthest_first():
     graph, order_index, _ = traced(lambda x, y: tf.reduce_sum(tf.exp(tf.matmul(x, y, transpose_b=True)), 1), X, Y)
