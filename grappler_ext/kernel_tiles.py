@@ -253,7 +253,7 @@ def analyse(matrix: tf.Tensor, live, ignore=frozenset()) -> KernelTiles | str:
             uses[(op.name, i)] = use
             leaves[x.ref()] = x
     ops = topological_order(matrix.graph, inside.values())
-    made = [o for op in ops for o in op.outputs if o is not matrix]
+    made = [o for op in ops for o in op.outputs]
     for t in made:
         for c in t.consumers():
             if c in live and c.name not in inside and c not in ignore:

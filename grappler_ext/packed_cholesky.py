@@ -167,7 +167,8 @@ class PackedCholesky(GraphPass):
                 f"matrix computed a tile at a time from {len(tiles.leaves)} smaller tensors ({len(tiles.ops)} ops), "
                 f"{len(solves)} solve(s) and {len(diagonals)} diagonal(s) read from the blocks"
                 + (f"; {rebuilt} gradient(s) inside the function rebuilt" if rebuilt else "")
-                + ("" if fits else "; even these are over the limit: the least this program can hold"),
+                + ("" if fits else f" (the smallest blocks: by their count, the factor and its windows need "
+                                   f"{stored + WINDOWS * n * block * dtype.size:,} B)"),
                 bytes_before=nbytes(matrix), bytes_after=stored)
         return result
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import ClassVar, Literal
 
 __all__ = ["Record", "PassResult", "GraphPass", "PassOptions", "ShardedAxis", "Motive", "REWRITTEN", "SKIPPED",
-           "warn", "deferred_warnings"]
+           "warn", "deferred_warnings", "pending_warnings"]
 
 # The warnings passes give inside a pipeline's run, given when it ends (``None``: outside one).
 _DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grappler_ext_deferred_warnings",
@@ -35,6 +35,11 @@ def warn(message: str, stacklevel: int = 2) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
     else:
         pending.append(message)
+
+
+def pending_warnings() -> list[str]:
+    """The warnings collected so far in the pipeline's run (empty outside one)."""
+    return list(_DEFERRED.get() or [])
 
 
 @contextlib.contextmanager

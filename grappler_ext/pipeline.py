@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from grappler_ext.graph_edit import Journal, journaled
 from grappler_ext.guard import Code as GuardCode
 from grappler_ext.guard import Guard, Verdict
-from grappler_ext.pass_base import GraphPass, Motive, PassResult, Record, deferred_warnings
+from grappler_ext.pass_base import GraphPass, Motive, PassResult, Record, deferred_warnings, pending_warnings, warn
 from grappler_ext.verifier import OutputSignature, VerificationError, verify
 
 __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "registered_passes",
@@ -237,7 +237,9 @@ class Pipeline:
         worse = self.guard.compare(before, after)
         if worse is None:
             # Kept: run again where it was undone to measure (the same graph, the same decisions).
-            return p.run(graph, options) if measures else result
+            kept = p.run(graph, options) if measures else result
+            self._over_after(p, graph, options, after, kept)
+            return kept
         if not measures:
             journal.undo(to=mark)
         undone = PassResult(p.name)
@@ -245,6 +247,19 @@ class Pipeline:
         undone.skip(ops, f"undone: {worse}; {len(result.rewritten)} rewrite(s) by its own count "
                          f"({'; '.join(r.reason for r in result.rewritten)[:300]})", code=GuardCode.ROSE, plan=worse)
         return undone
+
+    @staticmethod
+    def _over_after(p: GraphPass, graph, options, after, result: PassResult) -> None:
+        """A memory rewrite kept with XLA's figure for the program still over the limit, and no
+        warning given yet this run: one now (pending: a later pass may still bring it within, which
+        :meth:`_still_holding` checks), so that a program is never over its limit silently."""
+        limit = options.memory_limit_bytes
+        if limit is None or not after.xla.known or after.xla.bytes <= limit or pending_warnings():
+            return
+        what = "; ".join(r.reason for r in result.rewritten)
+        warn(f"tf_memsafe: `{graph.name}` needs {after.xla.bytes:,} B by XLA's figure after {p.name} ({what}), "
+             f"over its limit of {limit:,} B. It will run as well as it can; raise memory_limit to at least "
+             f"{after.xla.bytes:,} B.", stacklevel=4)
 
     @staticmethod
     def _fits(p: GraphPass, run: _GuardedRun) -> PassResult:

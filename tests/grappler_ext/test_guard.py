@@ -59,7 +59,7 @@ def test_a_program_within_its_limit_is_left_exactly_as_traced():
     (report,) = [r for r in tf_memsafe.reports() if r.function_name == g.name]
     assert report.status == "unchanged"
     fits = {r.pass_name: r for r in report.records if r.code is Code.FITS}
-    assert set(fits) == {"pairwise_distance", "reduce_of_product", "blocked_linalg"}
+    assert set(fits) == {"pairwise_distance", "reduce_of_product", "packed_cholesky", "blocked_linalg"}
     assert "within its limit as traced" in fits["reduce_of_product"].reason
     assert "of 1,000,000,000 B by the memory model" in fits["reduce_of_product"].reason
 
@@ -88,6 +88,19 @@ def test_over_the_limit_a_rewrite_that_lowers_the_figure_is_kept():
     assert generated(g, "reduce_of_product")
     # Compiled after the pass, then before it (its edits undone to measure), then run again: kept.
     assert len(measurer.calls) == 2
+
+
+def test_a_rewrite_kept_with_the_program_still_over_says_so_once():
+    """Never silently over: a memory rewrite that lowers XLA's figure but not to the limit, with no
+    other pass's warning, gives one warning with the figure after it and what it did."""
+    measurer = FakeMeasurer(program=lambda g: 300 if generated(g, "reduce_of_product") else 400)
+    g = trace(sum_of_product, A, B)
+    with pytest.warns(RuntimeWarning) as caught:
+        result = Pipeline([ReduceOfProduct()], guard=Guard(measurer)).run(g, make_options(memory_limit_bytes=250))
+    assert [r.action for r in result.records] == ["rewritten"]
+    (message,) = [str(w.message) for w in caught]
+    assert "needs 300 B by XLA's figure after reduce_of_product (" in message
+    assert "over its limit of 250 B" in message and "raise memory_limit to at least 300 B" in message
 
 
 def test_over_the_limit_a_rewrite_that_raises_xlas_figure_is_undone():
