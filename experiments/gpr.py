@@ -10,8 +10,10 @@ Workloads (float64, ``SquaredExponential`` on 3-D inputs, GPflow 2.11 as shipped
   ``B = cos(a bᵀ)`` [N, R] computed in the function from ``a`` [N] and ``b`` [R], as a kernel
   matrix is (the variances' pattern), split along the right-hand sides.  (Right-hand sides given
   as an input are held whole: the limit could not be 8x below a program that is mostly its input.)
-* ``loss``: ``GPR.training_loss`` with its gradients (tape inside).  Its Cholesky factor is [N, N]
-  and couples every entry: the floor is a few copies of it, whatever the limit.
+* ``loss``: ``GPR.training_loss`` with its gradients (tape inside).  Its Cholesky factor couples
+  every entry: the factor is held as packed lower-triangular blocks, the kernel matrix computed a
+  tile at a time and never whole, the gradient's [N, N] tensors never formed (``packed_cholesky``):
+  N² / 2 entries where the program as written holds about five [N, N] buffers.
 
 For each: XLA's "Total bytes used" as written, and with tf_memsafe under ``figure / 8`` (compiled,
 not run: at full size the naive programs need tens of GB), with the rewrite's status and time.
