@@ -76,6 +76,35 @@ def test_a_hand_written_log_density_in_float32():
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
+def test_a_tape_outside_the_function_differentiates_the_packed_factor():
+    """No gradient recorded inside: TensorFlow differentiates the rewritten function itself, through
+    the packed factor's custom gradient (blocked_linalg's test of the same program, the pass disabled)."""
+    n = MIN_ORDER
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.standard_normal((n, 3)))
+    y = tf.constant(rng.standard_normal((n, 1)))
+
+    def nlml(x):
+        r = tf.reduce_sum(tf.square(x), -1)
+        kmm = tf.exp(-0.5 * (r[:, None] - 2.0 * tf.matmul(x, x, transpose_b=True) + r[None, :]))
+        lm = tf.linalg.cholesky(tf.linalg.set_diag(kmm, tf.linalg.diag_part(kmm) + 1e-2))
+        alpha = tf.linalg.triangular_solve(lm, y, lower=True)
+        return tf.reduce_sum(tf.math.log(tf.linalg.diag_part(lm))) + 0.5 * tf.reduce_sum(tf.square(alpha))
+
+    def value_and_gradient(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = fn(x)
+        return value, tape.gradient(value, x)
+
+    want = value_and_gradient(tf.function(nlml, jit_compile=True))
+    tf_memsafe.enable(6 * 10**6, strict=True)             # (21 MB as written, by the memory model)
+    got = value_and_gradient(tf.function(nlml, jit_compile=True))
+    assert [r.action for r in _records()] == ["rewritten"]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * np.max(np.abs(w)))
+
+
 def _pass_on(fn, *specs, limit=1_000_000):
     graph = tf.function(fn).get_concrete_function(*specs).graph
     return PackedCholesky().run(graph, PassOptions(memory_limit_bytes=limit)).records
