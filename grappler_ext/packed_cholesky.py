@@ -14,7 +14,8 @@ one keeps none (:mod:`grappler_ext.packed_factor`: the packed factor and a few [
 
 When it applies (each refusal is a "skipped" record naming the reason): a ``Cholesky`` of one
 float32/float64 matrix of static order ``n >= MIN_ORDER``, not in a recorded gradient's backward,
-whose matrix is computed from smaller tensors by ops :mod:`grappler_ext.kernel_tiles` can compute a
+whose matrix is computed from smaller tensors (each at most n² / ``MAX_LEAF_SHARE`` elements: SGPR's
+``I + A Aᵀ`` over A [M, N] is the splitter's) by ops :mod:`grappler_ext.kernel_tiles` can compute a
 tile at a time (a kernel: matrix products of the points, elementwise ops, the noise on the
 diagonal), none of its [n, n] tensors read elsewhere; the factor read only by ``MatrixTriangularSolve``
 (``lower``, not ``adjoint``) of right-hand sides of at most ``b`` columns that do not depend on it, and
@@ -62,6 +63,8 @@ BLOCKS = (512, 256, 128, 64, 32)
 # [n, b] buffers the loops hold beside the factor at their peak, by XLA's figure (9 at n = 2000,
 # b = 128 with its gradient: the windows of blocks, their products and masks), with a margin.
 WINDOWS = 12
+# A leaf (the points, their norms) of at most n² / MAX_LEAF_SHARE elements: the tiles read it whole.
+MAX_LEAF_SHARE = 16
 _FLOATS = (tf.float32, tf.float64)
 _DIAG_PART = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
 
@@ -115,6 +118,11 @@ def refusal(factor: tf.Operation, live, backward) -> tuple[str | None, object, l
     tiles = kernel_tiles.analyse(matrix, live, ignore=backward | {factor})
     if isinstance(tiles, str):
         return f"its matrix is not computed a tile at a time: {tiles}", None, [], []
+    largest = max(tiles.leaves, key=lambda t: t.shape.num_elements() or 0, default=None)
+    if largest is not None and (largest.shape.num_elements() or 0) * MAX_LEAF_SHARE > n * n:
+        # (SGPR's B = I + A Aᵀ, A = L⁻¹ K(Z, X) [M, N]: A is the splitter's to split along N)
+        return (f"its matrix is computed from `{largest.name}` {largest.shape}, not small beside it: held whole "
+                "for the tiles, it would cost more than the factor saves"), None, [], []
     return None, tiles, solves, diagonals
 
 

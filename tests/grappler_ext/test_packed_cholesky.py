@@ -6,12 +6,15 @@ written; a Gaussian log-density written by hand (``+ noise * tf.eye(n)``, float3
 the refusals, each naming its reason; the block size policy.
 """
 
+import warnings
+
 import gpflow
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext import packed_cholesky
 from grappler_ext.packed_cholesky import BLOCKS, MIN_ORDER, PackedCholesky, block_for
 from grappler_ext.pass_base import PassOptions
 
@@ -37,18 +40,25 @@ def _gpr(n):
     return loss_and_gradients
 
 
-def test_a_gpr_loss_with_its_gradients_fits_a_limit_6x_below_its_figure():
-    """n = 1100: 59 MB as written (the kernel matrix, its factor and CholeskyGrad's [n, n] tensors);
-    7.7 MB rewritten (measured), the packed factor 5.4 MB of it.  (8x below at n = 20000:
-    ``experiments/gpr.py``; at small n the loops' [n, b] buffers weigh more.)"""
-    step = _gpr(1100)
+@pytest.fixture
+def small(monkeypatch):
+    """The pass at orders from 256 (its own floor is 1024: the tests' programs compile faster small)."""
+    monkeypatch.setattr(packed_cholesky, "MIN_ORDER", 256)
+
+
+def test_a_gpr_loss_with_its_gradients_fits_a_limit_4x_below_its_figure(small):
+    """n = 400: 7.9 MB as written (the kernel matrix, its factor and CholeskyGrad's [n, n] tensors);
+    1.7 MB rewritten (measured), the packed factor 0.85 MB of it.  (8x below at n = 20000:
+    ``experiments/gpr.py``; at small n the loops' [n, b] buffers weigh more.)  Within the limit by
+    XLA's figure: the pipeline warns where a memory rewrite leaves the program over it."""
+    step = _gpr(400)
     naive = tf_memsafe.memory_footprint(step, rewrite=False)
-    limit = naive // 6
-    tf_memsafe.enable(limit, strict=True)
-    got = tf.function(step, jit_compile=True)()
+    tf_memsafe.enable(naive // 4, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = tf.function(step, jit_compile=True)()
     (record,) = _records("rewritten")
     assert "packed blocks" in record.reason and "1 gradient(s) inside the function rebuilt" in record.reason
-    assert tf_memsafe.memory_footprint(step) <= limit
     tf_memsafe.disable()
     want = tf.function(step, jit_compile=True)()
     assert len(got) == len(want) == 4                     # the loss; variance, lengthscales, noise
@@ -56,8 +66,8 @@ def test_a_gpr_loss_with_its_gradients_fits_a_limit_6x_below_its_figure():
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
-def test_a_hand_written_log_density_in_float32():
-    n = 1030                                              # a short last block
+def test_a_hand_written_log_density_in_float32(small):
+    n = 300                                               # a short last block
     rng = np.random.default_rng(1)
     x = tf.constant(rng.standard_normal((n, 2)), tf.float32)
     y = tf.constant(rng.standard_normal((n, 1)), tf.float32)
@@ -70,16 +80,18 @@ def test_a_hand_written_log_density_in_float32():
         return -0.5 * tf.reduce_sum(tf.square(alpha)) - tf.reduce_sum(tf.math.log(tf.linalg.diag_part(factor)))
 
     want = tf.function(log_density, jit_compile=True)(x, y)
-    tf_memsafe.enable(3_000_000)                          # 12.8 MB as written
-    got = tf.function(log_density, jit_compile=True)(x, y)
+    tf_memsafe.enable(500_000)                            # (over it as written; 0.42 MB rewritten)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = tf.function(log_density, jit_compile=True)(x, y)
     assert [r.action for r in _records()] == ["rewritten"]
     np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
-def test_a_tape_outside_the_function_differentiates_the_packed_factor():
+def test_a_tape_outside_the_function_differentiates_the_packed_factor(small):
     """No gradient recorded inside: TensorFlow differentiates the rewritten function itself, through
     the packed factor's custom gradient (blocked_linalg's test of the same program, the pass disabled)."""
-    n = MIN_ORDER
+    n = 300
     rng = np.random.default_rng(2)
     x = tf.constant(rng.standard_normal((n, 3)))
     y = tf.constant(rng.standard_normal((n, 1)))
@@ -98,8 +110,10 @@ def test_a_tape_outside_the_function_differentiates_the_packed_factor():
         return value, tape.gradient(value, x)
 
     want = value_and_gradient(tf.function(nlml, jit_compile=True))
-    tf_memsafe.enable(6 * 10**6, strict=True)             # (21 MB as written, by the memory model)
-    got = value_and_gradient(tf.function(nlml, jit_compile=True))
+    tf_memsafe.enable(900_000, strict=True)               # (over it as written; 0.84 MB rewritten)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = value_and_gradient(tf.function(nlml, jit_compile=True))
     assert [r.action for r in _records()] == ["rewritten"]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-9 * np.max(np.abs(w)))
@@ -120,10 +134,11 @@ def _kernel(x):
     ("small", f"its order 500 is under {MIN_ORDER}"),
     ("transposed", "the factor is read by `transpose`"),
     ("not_a_kernel", "its matrix is not computed a tile at a time: `"),
+    ("wide_points", "its matrix is computed from `x:0` (1024, 2048), not small beside it"),
 ])
 def test_what_it_leaves_and_why(case, reason):
     n = 500 if case == "small" else MIN_ORDER
-    x = tf.TensorSpec([n, 2], tf.float64)
+    x = tf.TensorSpec([n, 2048 if case == "wide_points" else 2], tf.float64)
     rhs = tf.TensorSpec([n, 600 if case == "wide" else 1], tf.float64)
 
     def fn(x, b):
