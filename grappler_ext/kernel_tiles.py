@@ -221,23 +221,15 @@ def analyse(matrix: tf.Tensor, live, ignore=frozenset()) -> KernelTiles | str:
         if op.name in inside:
             continue
         big = t.shape == (n, n)
-        if big and op.type == "Reshape" and op.inputs[0].shape == (n, n):
-            pass
-        elif big and op.type in _SET_DIAG | _DIAG and _main_diagonal(op):
-            pass
-        elif not big and op.type in _DIAG_PART and _main_diagonal(op) and op.inputs[0].shape == (n, n):
-            pass
-        elif big and op.type in MATMULS and len(op.outputs) == 1:
-            pass
-        elif op.type in _ELEMENTWISE and len(op.outputs) == 1 and (big or t.shape == (n,)):
-            pass
-        else:
+        if not _computes_tiles(op, t, n):
             return f"`{op.name}` ({op.type}) computes {'the' if t is matrix else 'a'} {t.shape} tensor on the way"
         inside[op.name] = op
         for i, x in enumerate(op.inputs):
             if op.type == "Reshape" and i == 1 or i >= {**dict.fromkeys(_SET_DIAG, 2),
                                                        **dict.fromkeys(_DIAG_PART | _DIAG, 1)}.get(op.type, 99):
                 continue                                                     # shapes, offsets, padding
+            if x.shape == (n,) and _depends_on_big(x, n) and big and op.type not in _SET_DIAG | _DIAG:
+                return f"`{op.name}` reads the matrix's diagonal along its rows or columns"
             if x.shape == (n, n) or x.shape == (n,) and _depends_on_big(x, n):
                 stack.append(x)
                 continue
@@ -259,6 +251,20 @@ def analyse(matrix: tf.Tensor, live, ignore=frozenset()) -> KernelTiles | str:
             if c in live and c.name not in inside and c not in ignore:
                 return f"`{t.name}` is also read by `{c.name}` ({c.type}): it is needed whole there"
     return KernelTiles(matrix, ops, uses, list(leaves.values()))
+
+
+def _computes_tiles(op: tf.Operation, t: tf.Tensor, n: int) -> bool:
+    """Whether ``op``, making ``t`` ([n, n], or an [n] vector of a diagonal), has a tile rule."""
+    big = t.shape == (n, n)
+    if op.type == "Reshape":
+        return big and op.inputs[0].shape == (n, n)
+    if op.type in _SET_DIAG | _DIAG:
+        return big and _main_diagonal(op)
+    if op.type in _DIAG_PART:
+        return not big and _main_diagonal(op) and op.inputs[0].shape == (n, n)
+    if op.type in MATMULS:
+        return big and len(op.outputs) == 1
+    return op.type in _ELEMENTWISE and len(op.outputs) == 1 and (big or t.shape == (n,))
 
 
 def _depends_on_big(x: tf.Tensor, n: int) -> bool:

@@ -26,17 +26,19 @@ the factor's cotangent is L̄ = -tril(L⁻ᵀ G Aᵀ) + diag(v), and TensorFlow'
     K̄ = sym(Λᵀ P Λ),  Λ = L⁻¹,  P = Φ(Lᵀ L̄) = -Φ(G Aᵀ) + diag(l ∘ v / 2)
 
 (Φ: the lower triangle, its diagonal halved; ``sym(S) = (S + Sᵀ) / 2``; l the factor's diagonal:
-the lower triangle of Lᵀ tril(H Aᵀ) is that of (Lᵀ H) Aᵀ = G Aᵀ).  Λ is computed in the factor's
-own storage (block forward substitution by columns, in place), and each tile of K̄ on the fly:
+with H = L⁻ᵀ G, the lower triangle of Lᵀ tril(H Aᵀ) is that of (Lᵀ H) Aᵀ = G Aᵀ; D = diag(l ∘ v / 2)).
+Λ is computed in the factor's own storage (block forward substitution by columns, in place), and
+each tile of K̄ on the fly:
 
     (Λᵀ P Λ)_pq = Σ_{a >= max(p, q)} Λ_apᵀ Q_aq,   Q_aq = -(G_a Z_aqᵀ + Φ(G_a A_aᵀ) Λ_aq) + D_a Λ_aq,
     Z_aq = Σ_{q <= c < a} Λ_cqᵀ A_c                 (a prefix sum down block column q)
 
 so the tile K̄_pq is contracted at once with the tiles' vector-Jacobian product, for (p, q) and
 (q, p) (the tile function need not be symmetric), and nothing [n, n] is held.  B's cotangent is
-Λᵀ G.  The cost, against TensorFlow's: the factor n³ / 3 (as XLA's, plus the windows' masked
-rows), Λ n³ / 3, the tiles of K̄ about 2 n³ (TensorFlow's gradient: about 2.3 n³ in [n, n]
-products), each tile of K recomputed three times (the factor, and the gradient's (p, q) and (q, p)).
+Λᵀ G.  The cost, counted (multiply-adds, the windows' masked rows included): the factor about
+n³ / 2, Λ n³ / 2, the tiles of K̄ about 2 n³, each tile of K computed three times (the factor, and
+the gradient's (p, q) and (q, p)); XLA's factor and TensorFlow's gradient on [n, n] matrices come to
+about 4 n³.
 
 Exactness: the same products as the unblocked algorithms, grouped by blocks, so the values agree
 to rounding.  A matrix that is not positive definite gives NaN, as XLA's Cholesky does.
@@ -118,7 +120,7 @@ def _masked(valid, x):
 
 
 def _solve_right_transposed(ljj, t):
-    """t[i] L⁻ᵀ for each i: one solve with the blocks side by side (Lᵀ X[i]ᵀ... as L Y = T[i]ᵀ)."""
+    """t[i] L⁻ᵀ for each i, as one solve L Y = [t[0]ᵀ t[1]ᵀ ...] with the blocks side by side."""
     m, b = t.shape[0], t.shape[-1]
     stacked = tf.reshape(tf.transpose(t, [2, 0, 1]), [b, m * b])
     solved = tf.linalg.triangular_solve(ljj, stacked, lower=True)

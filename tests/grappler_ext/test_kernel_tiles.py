@@ -98,7 +98,9 @@ def test_refusals_name_the_op():
         gathered = kernel_tiles.analyse(g, set(graph.get_operations()))
         wide = tf.exp(tf.matmul(x, x, transpose_b=True)) + tf.ones([N, 2 * N], x.dtype)[:, :N]
         sliced = kernel_tiles.analyse(wide, set(graph.get_operations()))
-        return total, read_elsewhere, transposed, gathered, sliced
+        k = tf.exp(tf.matmul(x, x, transpose_b=True))
+        scaled = kernel_tiles.analyse(k / tf.linalg.diag_part(k), set(graph.get_operations()))
+        return total, read_elsewhere, transposed, gathered, sliced, scaled
 
     out = {}
 
@@ -106,8 +108,9 @@ def test_refusals_name_the_op():
         out["reasons"] = reasons.python_function(x)
 
     tf.function(trace).get_concrete_function(X)
-    _, read_elsewhere, transposed, gathered, sliced = out["reasons"]
+    _, read_elsewhere, transposed, gathered, sliced, scaled = out["reasons"]
     assert "is also read by" in read_elsewhere and "Sum" in read_elsewhere
     assert "(Transpose) computes" in transposed
     assert "(GatherV2) computes" in gathered
     assert "(StridedSlice) computes" in sliced
+    assert "reads the matrix's diagonal along its rows or columns" in scaled
