@@ -195,9 +195,11 @@ def compare_compiled(fn, limit, rtol):
     assert tf_memsafe.memory_footprint(fn) <= limit
 
 
-@pytest.mark.parametrize("kernel", [gpflow.kernels.SquaredExponential, gpflow.kernels.Matern32])
+@pytest.mark.parametrize("kernel", [gpflow.kernels.Matern32])
 def test_predictions_over_a_test_set_as_large_as_the_training_set(kernel):
-    """predict_f (marginal), predict_y and predict_log_density over T = N = 20000 test points."""
+    """predict_f (marginal), predict_y and predict_log_density over T = N = 20000 test points.
+    (Matern32 only, for CI time: the squared exponential's predictions are split in the GPR and SVGP
+    tests below and in ``experiments/gpr.py``.)"""
     with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
         model = sgpr_model(kernel)
         X_test = np.random.default_rng(1).standard_normal((N, 3))
