@@ -171,14 +171,15 @@ class PackedCholesky(GraphPass):
             touched = [factor] + solves + diagonals + list(tiles.ops)
             rebuilt = gradients.rebuild(graph, self.name, touched) if can else 0
             stored = packed_factor.packed_bytes(n, block, dtype.size)
+            counted = stored + WINDOWS * n * block * dtype.size
             result.rewrote(
                 [factor.name] + [op.name for op in solves + diagonals],
                 f"a Cholesky factor held as packed blocks of {block} ({stored:,} B, never [{n}, {n}]), its kernel "
                 f"matrix computed a tile at a time from {len(tiles.leaves)} smaller tensors ({len(tiles.ops)} ops), "
                 f"{len(solves)} solve(s) and {len(diagonals)} diagonal(s) read from the blocks"
                 + (f"; {rebuilt} gradient(s) inside the function rebuilt" if rebuilt else "")
-                + ("" if fits else f" (the smallest blocks: by their count, the factor and its windows need "
-                                   f"{stored + WINDOWS * n * block * dtype.size:,} B)"),
+                + ("" if fits else f" (the smallest blocks; the pass counts {counted:,} B for the factor and "
+                                   "its windows, over the limit: XLA's figure decides)"),
                 bytes_before=nbytes(matrix), bytes_after=stored)
         return result
 
