@@ -235,6 +235,33 @@ def test_two_readers_reducing_the_same_axis_share_one_loop(monkeypatch):
 
 
 
+def test_a_cholesky_solve_splits_along_its_right_hand_sides():
+    """``tf.linalg.cholesky_solve`` (two triangular solves, the second adjoint) of 20000 right-hand
+    sides built in the function, with its gradients taken inside: split along the columns, the
+    [200, 200] factor read whole by every slice (issue 29); values and gradients equal."""
+    rng = np.random.default_rng(4)
+    m = rng.standard_normal((200, 203))
+    chol = tf.constant(np.linalg.cholesky(m @ m.T / 200 + np.eye(200)))
+    a, b = tf.constant(rng.standard_normal(200)), tf.constant(rng.standard_normal(20000))
+
+    def fn(chol, a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            x = tf.linalg.cholesky_solve(chol, tf.cos(a[:, None] * b[None, :]))       # [200, 20000]
+            loss = tf.reduce_sum(tf.square(x))
+        return [loss] + tape.gradient(loss, [a, b])
+
+    expected = tf.function(fn, jit_compile=True)(chol, a, b)
+    tf_memsafe.enable(8 * 10**6, strict=True)                      # (32 MB a [200, 20000] tensor)
+    got = tf.function(fn, jit_compile=True)(chol, a, b)
+    splits = [r for rep in tf_memsafe.reports() for r in rep.records
+              if r.pass_name == "splitter" and r.action == "rewritten"]
+    assert splits and all("axis 1" in r.reason for r in splits), [r.reason for r in splits]
+    assert tf_memsafe.memory_footprint(fn, chol, a, b) <= 8 * 10**6
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12 * np.max(np.abs(e)))
+
+
 def test_outputs_that_keep_the_split_axis_end_one_shared_loop():
     """A GP's predictive mean and variance at N test points, as GPflow computes them: T = L^-1 K(Z, X)
     is [M, N] (M = 200, N = 20000 f64: 32 MB) and is read by the mean T^T c and by the variance
