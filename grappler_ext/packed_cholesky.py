@@ -48,6 +48,7 @@ whose every large tensor is [n, n] and coupled through the factor.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import tensorflow as tf
@@ -58,7 +59,7 @@ from grappler_ext.op_types import nbytes
 from grappler_ext.pass_base import GraphPass, Motive, PassResult
 from grappler_ext.pipeline import register_pass
 
-__all__ = ["PackedCholesky", "MIN_ORDER", "BLOCKS", "WINDOWS", "block_for", "refusal"]
+__all__ = ["PackedCholesky", "Taken", "MIN_ORDER", "BLOCKS", "WINDOWS", "MAX_LEAF_SHARE", "block_for", "refusal"]
 
 MIN_ORDER = 1024
 BLOCKS = (512, 256, 128, 64, 32)
@@ -86,17 +87,25 @@ def _diagonal_reader(op: tf.Operation) -> bool:
     return op.type == "MatrixDiagPart" or tf.get_static_value(op.inputs[1]) in (0, [0])
 
 
-def refusal(factor: tf.Operation, live, backward) -> tuple[str | None, object, list, list]:
-    """``(why, tiles, solves, diagonals)``: why the ``Cholesky`` ``factor`` is left (``None``: it is
-    taken), with the kernel's tiles and the factor's readers where it is taken."""
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """A factor the pass takes: its matrix's tiles, and its readers."""
+
+    tiles: kernel_tiles.KernelTiles
+    solves: tuple[tf.Operation, ...]             # MatrixTriangularSolve(factor, B), lower, not adjoint
+    diagonals: tuple[tf.Operation, ...]          # its main diagonal
+
+
+def refusal(factor: tf.Operation, live, backward) -> Taken | str:
+    """What the pass takes of the ``Cholesky`` ``factor`` (a :class:`Taken`), or why it leaves it."""
     matrix = factor.inputs[0]
     if matrix.dtype.base_dtype not in _FLOATS:
-        return f"{matrix.dtype.name}: only float32 and float64", None, [], []
+        return f"{matrix.dtype.name}: only float32 and float64"
     if matrix.shape.rank != 2 or not matrix.shape.is_fully_defined():
-        return "not one matrix of static shape (batches are left to XLA)", None, [], []
+        return "not one matrix of static shape (batches are left to XLA)"
     n = int(matrix.shape[-1])
     if n < MIN_ORDER:
-        return f"its order {n} is under {MIN_ORDER}", None, [], []
+        return f"its order {n} is under {MIN_ORDER}"
     solves, diagonals = [], []
     for reader in factor.outputs[0].consumers():
         if reader not in live or reader in backward:
@@ -105,27 +114,28 @@ def refusal(factor: tf.Operation, live, backward) -> tuple[str | None, object, l
                 and reader.get_attr("lower") and not reader.get_attr("adjoint"):
             rhs = reader.inputs[1]
             if rhs.shape.rank != 2 or not rhs.shape.is_fully_defined():
-                return f"`{reader.name}`'s right-hand side has no static shape", None, [], []
+                return f"`{reader.name}`'s right-hand side has no static shape"
             if int(rhs.shape[1]) > BLOCKS[0]:
                 return (f"`{reader.name}` solves for {int(rhs.shape[1])} columns (the splitter splits them; "
-                        "blocked_linalg blocks the factor)"), None, [], []
+                        "blocked_linalg blocks the factor)")
             solves.append(reader)
         elif _diagonal_reader(reader):
             diagonals.append(reader)
         else:
-            return f"the factor is read by `{reader.name}` ({reader.type}), which needs it whole", None, [], []
-    upstream = ancestors([s.inputs[1] for s in solves])
-    if factor in upstream:
-        return "a right-hand side is computed from the factor", None, [], []
+            return f"the factor is read by `{reader.name}` ({reader.type}), which needs it whole"
+    if not solves and not diagonals:
+        return "nothing but a gradient reads the factor"
+    if factor in ancestors([s.inputs[1] for s in solves]):
+        return "a right-hand side is computed from the factor"
     tiles = kernel_tiles.analyse(matrix, live, ignore=backward | {factor})
     if isinstance(tiles, str):
-        return f"its matrix is not computed a tile at a time: {tiles}", None, [], []
+        return f"its matrix is not computed a tile at a time: {tiles}"
     largest = max(tiles.leaves, key=lambda t: t.shape.num_elements() or 0, default=None)
     if largest is not None and (largest.shape.num_elements() or 0) * MAX_LEAF_SHARE > n * n:
         # (SGPR's B = I + A Aᵀ, A = L⁻¹ K(Z, X) [M, N]: A is the splitter's to split along N)
         return (f"its matrix is computed from `{largest.name}` {largest.shape}, not small beside it: held whole "
-                "for the tiles, it would cost more than the factor saves"), None, [], []
-    return None, tiles, solves, diagonals
+                "for the tiles, it would cost more than the factor saves")
+    return Taken(tiles, tuple(solves), tuple(diagonals))
 
 
 @register_pass
@@ -149,10 +159,11 @@ class PackedCholesky(GraphPass):
             if not can and gradients.differentiated(graph, [factor]):
                 result.skip([factor.name], f"`Cholesky` left: {why_not}", bytes_before=nbytes(matrix))
                 continue
-            why, tiles, solves, diagonals = refusal(factor, live, backward)
-            if why is not None:
-                result.skip([factor.name], f"`Cholesky` left: {why}", bytes_before=nbytes(matrix))
+            taken = refusal(factor, live, backward)
+            if isinstance(taken, str):
+                result.skip([factor.name], f"`Cholesky` left: {taken}", bytes_before=nbytes(matrix))
                 continue
+            tiles, solves, diagonals = taken.tiles, list(taken.solves), list(taken.diagonals)
             n, dtype = int(matrix.shape[-1]), matrix.dtype.base_dtype
             block, fits = block_for(n, dtype.size, limit)
             with graph_edit.building(graph, self.name):
