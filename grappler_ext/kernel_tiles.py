@@ -34,10 +34,10 @@ from grappler_ext import graph_edit
 from grappler_ext.graph_query import topological_order
 from grappler_ext.op_types import BROADCASTING_ELEMENTWISE, MATMULS, UNARY_ELEMENTWISE
 
-__all__ = ["KernelTiles", "analyse"]
+__all__ = ["KernelTiles", "analyse", "main_diagonal", "DIAG_PART"]
 
 _SET_DIAG = frozenset({"MatrixSetDiag", "MatrixSetDiagV2", "MatrixSetDiagV3"})
-_DIAG_PART = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
+DIAG_PART = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
 _DIAG = frozenset({"MatrixDiag", "MatrixDiagV2", "MatrixDiagV3"})
 _ELEMENTWISE = UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE
 ROW, COL, DIAG, NONE = "row", "col", "diag", "none"
@@ -50,7 +50,7 @@ class _Use:
     axis: int = 0
 
 
-def _main_diagonal(op: tf.Operation) -> bool:
+def main_diagonal(op: tf.Operation) -> bool:
     """A diagonal op on the main diagonal (``k = 0``), a diagonal matrix padded with zeros."""
     if op.type in ("MatrixSetDiag", "MatrixDiagPart", "MatrixDiag"):
         return True
@@ -143,7 +143,7 @@ class KernelTiles:
         for op in self.ops:
             out = op.outputs[0]
             big = out.shape == (n, n)
-            if op.type in _DIAG_PART:
+            if op.type in DIAG_PART:
                 diagonals[out.ref()] = diagonal_of(op.inputs[0])
                 continue
             if op.type == "Reshape":
@@ -226,7 +226,7 @@ def analyse(matrix: tf.Tensor, live, ignore=frozenset()) -> KernelTiles | str:
         inside[op.name] = op
         for i, x in enumerate(op.inputs):
             if op.type == "Reshape" and i == 1 or i >= {**dict.fromkeys(_SET_DIAG, 2),
-                                                       **dict.fromkeys(_DIAG_PART | _DIAG, 1)}.get(op.type, 99):
+                                                       **dict.fromkeys(DIAG_PART | _DIAG, 1)}.get(op.type, 99):
                 continue                                                     # shapes, offsets, padding
             if x.shape == (n,) and _depends_on_big(x, n) and big and op.type not in _SET_DIAG | _DIAG:
                 return f"`{op.name}` reads the matrix's diagonal along its rows or columns"
@@ -259,9 +259,9 @@ def _computes_tiles(op: tf.Operation, t: tf.Tensor, n: int) -> bool:
     if op.type == "Reshape":
         return big and op.inputs[0].shape == (n, n)
     if op.type in _SET_DIAG | _DIAG:
-        return big and _main_diagonal(op)
-    if op.type in _DIAG_PART:
-        return not big and _main_diagonal(op) and op.inputs[0].shape == (n, n)
+        return big and main_diagonal(op)
+    if op.type in DIAG_PART:
+        return not big and main_diagonal(op) and op.inputs[0].shape == (n, n)
     if op.type in MATMULS:
         return big and len(op.outputs) == 1
     return op.type in _ELEMENTWISE and len(op.outputs) == 1 and (big or t.shape == (n,))
@@ -275,7 +275,7 @@ def _depends_on_big(x: tf.Tensor, n: int) -> bool:
         if t.ref() in seen:
             continue
         seen.add(t.ref())
-        if t.op.type in _DIAG_PART and t.op.inputs[0].shape == (n, n):
+        if t.op.type in DIAG_PART and t.op.inputs[0].shape == (n, n):
             return True
         if t.op.type in _ELEMENTWISE and t.shape == (n,):
             stack.extend(t.op.inputs)

@@ -69,7 +69,6 @@ WINDOWS = 12
 # A leaf (the points, their norms) of at most n² / MAX_LEAF_SHARE elements: the tiles read it whole.
 MAX_LEAF_SHARE = 16
 _FLOATS = (tf.float32, tf.float64)
-_DIAG_PART = frozenset({"MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3"})
 
 
 def block_for(n: int, itemsize: int, limit: int) -> tuple[int, bool]:
@@ -79,12 +78,6 @@ def block_for(n: int, itemsize: int, limit: int) -> tuple[int, bool]:
         if b <= n and packed_factor.packed_bytes(n, b, itemsize) + WINDOWS * n * b * itemsize <= limit:
             return b, True
     return BLOCKS[-1], False
-
-
-def _diagonal_reader(op: tf.Operation) -> bool:
-    if op.type not in _DIAG_PART:
-        return False
-    return op.type == "MatrixDiagPart" or tf.get_static_value(op.inputs[1]) in (0, [0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +112,7 @@ def refusal(factor: tf.Operation, live, backward) -> Taken | str:
                 return (f"`{reader.name}` solves for {int(rhs.shape[1])} columns (the splitter splits them; "
                         "blocked_linalg blocks the factor)")
             solves.append(reader)
-        elif _diagonal_reader(reader):
+        elif reader.type in kernel_tiles.DIAG_PART and kernel_tiles.main_diagonal(reader):
             diagonals.append(reader)
         else:
             return f"the factor is read by `{reader.name}` ({reader.type}), which needs it whole"
@@ -167,7 +160,7 @@ class PackedCholesky(GraphPass):
             n, dtype = int(matrix.shape[-1]), matrix.dtype.base_dtype
             block, fits = block_for(n, dtype.size, limit)
             with graph_edit.building(graph, self.name):
-                tile = functools.partial(_tile, tiles, block=block)
+                tile = functools.partial(tiles.tile, block=block)
                 alphas, diagonal = packed_factor.factor_solve(tile, tiles.floating, [s.inputs[1] for s in solves],
                                                               n, block, dtype)
                 for new, old in zip(alphas, solves):
@@ -194,6 +187,3 @@ class PackedCholesky(GraphPass):
                 bytes_before=nbytes(matrix), bytes_after=stored)
         return result
 
-
-def _tile(tiles: kernel_tiles.KernelTiles, values, rows, col, block: int):
-    return tiles.tile(values, rows, col, block)
