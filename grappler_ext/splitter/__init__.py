@@ -54,14 +54,19 @@ candidates are ranked by the bytes that frees, less the inputs the loop's gradie
 With gradients inside, a slice also takes at most ``Tuning.slice_share`` of the limit: the activations
 held for the backward, and XLA's layout copies of them, are more than the model counts.
 
-Prologues (with gradients inside): a tensor the region reads whole that a few ops compute from much
-smaller ones (``Tuning.prologue_share`` of its bytes at most: an attention's keys and values, [L, 8, 128],
-projected from the layer's input, [L, 128]) is computed by the loop itself, before its slices, and
-again in its gradient (:mod:`.loop`), so the program holds the small inputs from
-the forward to the backward instead (a Transformer's training step at L = 8192 under 2 GB: 3.45 GiB
-with the projections held, 1.01 GB without).  Only ops whose every reader is the region, the
-prologue or the gradients being rebuilt, stateless, with static shapes and results of at most a
-slice's share of the limit, are taken (:func:`.analysis.prologue`).
+Prologues: a tensor the region reads whole that a few ops compute from much smaller ones
+(``Tuning.prologue_share`` of its bytes at most, counting nothing for inputs the region reads anyway:
+an attention's keys and values, [L, 8, 128], projected from the layer's input, [L, 128]) is computed
+by the loop itself, before its slices, and with gradients inside again in its gradient
+(:mod:`.loop`), so the program holds the small inputs from the forward to the backward instead (a
+Transformer's training step at L = 8192 under 2 GB: 3.45 GiB with the projections held, 1.01 GB
+without).  Without gradients, the prologue still runs only once its loop's sliced inputs exist, in
+the layout the loop's matrix products read: XLA otherwise computes every decoder layer's
+cross-attention keys and values at once, from the encoder's output, and holds a transposed copy of
+each (the tutorial's Transformer at batch 8, L = 4096: 3.09 GB by XLA's figure, 1.90 GB with
+prologues).  Only ops whose every reader is the region, the prologue or the gradients being
+rebuilt, stateless, with static shapes and results of at most a slice's share of the limit (or the
+largest input the region slices, where that is more) are taken (:func:`.analysis.prologue`).
 
 Gradients as it goes (with gradients inside): where the region's one floating output is a scalar
 combined by a sum or a mean (the loss itself: a mean of squared errors, a kernel regression's, an

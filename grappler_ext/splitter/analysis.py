@@ -753,19 +753,24 @@ def _kept(reader: tf.Operation, slots: list[int], axis: int, factor) -> tuple[ru
 
 def prologue(grown: Grown, order_index: dict, graph_outputs: set, backward: frozenset, cap: float,
              share: float, most_ops: int, min_bytes: int) -> list[tf.Operation]:
-    """Ops computing tensors the region reads whole from much smaller ones, for the loop to recompute
-    in its gradient instead of the program holding them (:class:`~.loop.Region`'s ``prologue``), in
-    topological order.
+    """Ops computing tensors the region reads whole from much smaller ones, for the loop to compute
+    just before its slices and recompute in its gradient instead of the program holding them
+    (:class:`~.loop.Region`'s ``prologue``), in topological order.
 
     For each floating tensor read whole (of at least ``min_bytes``), the ops above it are taken one at
     a time (the largest input's producer next, at most ``most_ops``) while every reader of what they
     compute is in the region, the prologue or the recorded gradients (rebuilt through the loop); the
-    smallest set of inputs reached is kept if it is at most ``share`` of the tensor's bytes.  A
-    prologue computes its tensors whole, in the forward and again in the backward: none may be over
-    ``cap`` bytes, or the prologue would hold what the loop is there to slice (an attention's
+    smallest set of inputs reached is kept if it is at most ``share`` of the tensor's bytes, inputs
+    the region reads anyway counting nothing where the ops compute something new (an encoder layer's
+    keys, [B, L, N, H], projected from the very input it slices, [B, L, N * H]; not a reshape or
+    slice of it).  A prologue computes its tensors whole, in the forward
+    and again in the backward: none may be over ``cap`` bytes (or over the largest input the region
+    slices, where that is larger), or the prologue would hold what the loop is there to slice (an attention's
     probabilities, read whole by a loop over the value's columns).
     """
     region = grown.region
+    held = set(region.sliced_inputs) | region.whole_inputs   # read by the region anyway: free to recompute from
+    cap = max([cap] + [nbytes(r.deref()) or 0 for r in region.sliced_inputs])
     taken: set = set()
     for ref in sorted(region.whole_inputs - set(region.sliced_inputs), key=lambda r: r.deref().name):
         t = ref.deref()
@@ -784,11 +789,16 @@ def prologue(grown: Grown, order_index: dict, graph_outputs: set, backward: froz
             ops.append(op)
             frontier = {r for r in frontier if r.deref().op is not op} | {
                 x.ref() for x in op.inputs if x.op not in ops}
-            cut = sum(nbytes(r.deref()) for r in frontier)
+            computes = any(o.type not in _VIEWS for o in ops)
+            cut = sum(nbytes(r.deref()) for r in frontier if not (computes and r in held))
             if cut <= best_bytes:
                 best, best_bytes = list(ops), cut
         taken |= set(best)
     return sorted(taken, key=lambda o: order_index[o])
+
+
+# Ops that only reshape, cut or reorder their input: a prologue of these alone computes nothing new.
+_VIEWS = PASS_THROUGH | {"StridedSlice", "Slice", "Transpose"}
 
 
 def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs: set, backward: frozenset,

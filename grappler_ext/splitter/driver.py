@@ -669,10 +669,9 @@ class _Region:
                     reasons.append(grown.stops[0])
                 continue
             grown.region.written_into = analysis.written_into(options, grown, self.order_index)
-            if self.backward:
-                grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, ignored,
-                                                          t.slice_share * self.budget, t.prologue_share,
-                                                          t.prologue_ops, t.prologue_min_bytes)
+            grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, ignored,
+                                                      t.slice_share * self.budget, t.prologue_share,
+                                                      t.prologue_ops, t.prologue_min_bytes)
             # (the gradients a weight's update reads are in its region: no backward is left to plan)
             planned = policy.plan(options, grown, beside if ignored else dataclasses.replace(beside, backward=ignored),
                                   self.budget, t, large_joins=self.run.relaxed)

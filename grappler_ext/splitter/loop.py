@@ -26,12 +26,13 @@ gradient of a while loop stacks the loop's intermediates in TensorLists that cro
 boundary, which XLA rejects; a custom gradient whose backward recomputes avoids that (measured
 on TF 2.21).
 
-A *prologue* (``Region.prologue``, set only where gradients are taken inside the function): ops
-that compute tensors the region reads whole from much smaller ones (an attention's keys and values,
-[L, H, K], projected from the layer's input, [L, D]).  ``forward`` computes them once before its
-loop; ``backward`` computes them again from its inputs instead of keeping the forward's (in a
-conditional, so that XLA can neither merge the two computations nor run the second before the
-upstream gradient exists: :func:`_in_order`), and differentiates through them after its loop.
+A *prologue* (``Region.prologue``): ops that compute tensors the region reads whole from much
+smaller ones (an attention's keys and values, [L, H, K], projected from the layer's input, [L, D]).
+``forward`` computes them once before its loop, once its sliced inputs exist (:func:`_in_order`)
+and in the layout its einsums read (:func:`relaid_prologue`); ``backward`` computes them again
+from its inputs instead of keeping the forward's (in a conditional, so that XLA can neither merge
+the two computations nor run the second before the upstream gradient exists: :func:`_in_order`),
+and differentiates through them after its loop.
 The program then holds the small inputs from the forward to the backward, not the large tensors
 (a Transformer's training step: [L, 128] per attention instead of two [L, 8, 128]).  The
 recomputation is exact: the same ops on the same values.
@@ -705,6 +706,7 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
     inner = [tf.identity(v) for v in values]
     sources = values if sliced_values is None else [v if s is None else s for v, s in zip(values, sliced_values)]
     partials, sliced = run(inner, [tf.identity(v) for v in sources])
+    sliced = list(sliced) + [None] * (len(values) - len(sliced))   # (a tiled block cuts no prologue output)
     ups = upstream_of(partials)
     targets = [p for p, u in zip(partials, ups) if u is not None]
     ups = [u for u in ups if u is not None]
