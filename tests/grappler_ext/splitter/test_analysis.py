@@ -157,3 +157,31 @@ def test_downstream_lists_ops_within_the_depth_farthest_first():
     near = analysis.downstream(matmul, order_index, 1)
     assert [op.type for op in near] == ["Exp", "MatMul"]
     assert [op.type for op in analysis.downstream(matmul, order_index, 2)][:2] == ["Sum", "Exp"]
+
+
+class TestPrologue:
+    """What a loop computes before its slices from the inputs it reads anyway (nothing is built)."""
+
+    @staticmethod
+    def prologue(fn, root_type, kind, *specs):
+        graph, order_index, outputs = traced(fn, *specs)
+        root = op_of(graph, root_type)
+        (option,) = [o for o in analysis.root_options(root) if o.kind == kind][:1]
+        grown = analysis.grow([option], outputs, order_index, frozenset())
+        return analysis.prologue(grown, order_index, outputs, frozenset(), cap=1.0, share=0.5, most_ops=8,
+                                 min_bytes=1)
+
+    def test_a_projection_of_the_input_it_slices_is_computed_before_the_slices(self):
+        """Keys x W read whole by a loop over x's rows: W is small and x is read anyway, so the
+        projection is the prologue's, though it is as large as x (over the share, over the cap)."""
+        w = tf.TensorSpec([3, 3])
+        ops = self.prologue(lambda x, w: tf.reduce_sum(tf.exp(tf.matmul(x, x @ w, transpose_b=True)), 1),
+                            "Sum", "concat", X, w)
+        assert [op.type for op in ops] == ["MatMul"]
+
+    def test_a_reshape_of_the_input_it_slices_is_not(self):
+        """x[None] read whole by a loop over x's rows (a kernel of x with itself) computes nothing new:
+        no prologue (under DTensor, one held each device's gathered copy twice)."""
+        ops = self.prologue(lambda x: tf.reduce_max(tf.exp(-tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1)),
+                                                    0), "Max", "concat", X)
+        assert ops == []

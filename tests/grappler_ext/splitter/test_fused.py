@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext.pipeline import Pipeline
-from grappler_ext.splitter import Splitter, loop
+from grappler_ext.splitter import Splitter, analysis, loop
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
@@ -384,3 +384,35 @@ def test_the_prologue_hands_its_einsum_operands_over_batch_first():
     assert_close(got, expected)
     graph_def = split.get_concrete_function(X, TARGET).graph.as_graph_def()
     assert _transposes(graph_def).count([1, 0, 2]) >= 4, _transposes(graph_def)   # 2 in, 2 back, at least
+
+
+def cross_attention_layers(x, context, weights):
+    """Two decoder-style layers without gradients: each one's keys and values [L, H, D] projected
+    from the same ``context`` [L, D] (four times its bytes), its queries from the layer before."""
+    for layer in weights:
+        q, k, v = (tf.einsum("ld,dhe->lhe", a, w) for a, w in zip((x, context, context), layer))
+        probs = tf.nn.softmax(tf.einsum("lhe,mhe->hlm", q, k) / 4.0, -1)          # [H, L, L]
+        x = x + tf.reduce_sum(tf.einsum("hlm,mhe->lhe", probs, v), 1)
+    return x
+
+
+def test_a_forward_computes_its_keys_and_values_in_each_loops_prologue(monkeypatch):
+    """Without gradients, each layer's keys and values are computed by its loop's prologue, once the
+    layer before is done and in the order its einsums read them; left outside the loops, XLA computes
+    both layers' (from the one context) side by side and holds transposed copies of them."""
+    weights = [[tf.constant(w) for w in HEADS], [tf.constant(w[:, ::-1]) for w in HEADS]]
+    forward = lambda x, c: cross_attention_layers(x, c, weights)               # noqa: E731
+    expected = tf.function(forward, jit_compile=True)(X, TARGET)
+    tf_memsafe.enable(4 * LIMIT, strict=True)
+    with splitter_only():
+        split = tf.function(forward, jit_compile=True)
+        got = split(X, TARGET)
+        figure = tf_memsafe.memory_footprint(split, X, TARGET)
+    plans = loops()
+    assert len(plans) == 2 and all(p.prologue_ops for p in plans), [p.render() for p in plans]
+    assert_close(got, expected)
+    assert figure <= 4 * LIMIT
+    monkeypatch.setattr(analysis, "prologue", lambda *a, **k: [])
+    with splitter_only(), pytest.warns(RuntimeWarning, match="over its limit"):
+        without = tf_memsafe.memory_footprint(tf.function(forward, jit_compile=True), X, TARGET)
+    assert without > 4 * LIMIT, without            # (measured: 8.9 MB without, 6.8 MB with)
