@@ -155,7 +155,8 @@ class LoopPlan:
         :class:`Sizing`); XLA's bytes a row and its figure for the loop at this chunk, when measured.
       best_effort: set when the limit cannot be met (see :class:`BestEffort`).
       rebuilt_gradients: gradients taken inside the function rebuilt through the loop.
-      prologue_ops: ops before the loop it recomputes in its gradient.
+      prologue_ops: ops before the loop that it computes first, once its sliced inputs exist (and
+        again in its gradient).
       predicted_bytes: the planner's count of the program while the loop runs.
       dynamic: the split axis' length is known only at run time: ``length`` is the nominal size the
         loop was planned at (:mod:`grappler_ext.shapes`), and the loop runs ``ceil(n / chunk)`` slices
@@ -236,7 +237,9 @@ class LoopPlan:
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"
         if self.prologue_ops:
             n = len(self.prologue_ops)
-            text += f"; {n} op{'s' if n > 1 else ''} before it recomputed in the gradient"
+            gradient = self.rebuilt_gradients or self.has_gradient_loop or self.fused
+            again = " and again in the gradient" if gradient else ""
+            text += f"; {n} op{'s' if n > 1 else ''} before it computed in its prologue{again}"
         if self.best_effort is not None:
             text += f"; {self.best_effort.render()}"
         return text

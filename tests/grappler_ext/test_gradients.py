@@ -289,8 +289,8 @@ def test_keys_and_values_are_recomputed_from_the_layer_input_in_the_gradient():
         got = fn(x)
         footprint = tf_memsafe.memory_footprint(fn, x)
     splits = [r.reason for r in tf_memsafe.reports()[-1].records if r.action == "rewritten"]
-    assert len(splits) == layers and all(r.endswith("; 4 ops before it recomputed in the gradient")
-                                         for r in splits), splits
+    assert len(splits) == layers and all(
+        r.endswith("; 4 ops before it computed in its prologue and again in the gradient") for r in splits), splits
     assert footprint <= limit
     flat_got, flat_expected = tf.nest.flatten(got), tf.nest.flatten(expected)
     scale = max(np.linalg.norm(e) for e in flat_expected)

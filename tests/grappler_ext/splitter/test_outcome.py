@@ -26,7 +26,10 @@ class TestLoopPlan:
         assert plan.split_input == (0, 1)
         assert plan.render() == ("`TopKV2` top_k over input 0 axis 1 and `Sum` sum: 38 x 520 + 240 of 20000; chunk "
                                  "from XLA's figure for the loop (4,096 B a row); its gradient 200 x 100; 2 gradients "
-                                 "inside the function rebuilt; 2 ops before it recomputed in the gradient")
+                                 "inside the function rebuilt; 2 ops before it computed in its prologue and again in "
+                                 "the gradient")
+        forward = loop_plan(prologue_ops=("k", "v"))
+        assert forward.render().endswith("of 20000; 2 ops before it computed in its prologue")
 
     def test_where_the_chunk_came_from_and_a_best_effort(self):
         failed = loop_plan(sizing=Sizing.MODEL_MEASURE_FAILED, sizing_detail="MeasurementError",
