@@ -763,9 +763,9 @@ def prologue(grown: Grown, order_index: dict, graph_outputs: set, backward: froz
     smallest set of inputs reached is kept if it is at most ``share`` of the tensor's bytes, inputs
     the region reads anyway counting nothing where the ops compute something new (an encoder layer's
     keys, [B, L, N, H], projected from the very input it slices, [B, L, N * H]; not a reshape or
-    slice of it).  A prologue computes its tensors whole, in the forward
-    and again in the backward: none may be over ``cap`` bytes (or over the largest input the region
-    slices, where that is larger), or the prologue would hold what the loop is there to slice (an attention's
+    slice of it).  A prologue computes its tensors whole, in the forward and again in the backward:
+    none may be over ``cap`` bytes (or over the largest input the region slices, where that is
+    larger), or the prologue would hold what the loop is there to slice (an attention's
     probabilities, read whole by a loop over the value's columns).
     """
     region = grown.region

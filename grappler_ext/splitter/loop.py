@@ -706,7 +706,6 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
     inner = [tf.identity(v) for v in values]
     sources = values if sliced_values is None else [v if s is None else s for v, s in zip(values, sliced_values)]
     partials, sliced = run(inner, [tf.identity(v) for v in sources])
-    sliced = list(sliced) + [None] * (len(values) - len(sliced))   # (a tiled block cuts no prologue output)
     ups = upstream_of(partials)
     targets = [p for p, u in zip(partials, ups) if u is not None]
     ups = [u for u in ups if u is not None]

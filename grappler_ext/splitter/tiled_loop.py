@@ -121,8 +121,11 @@ class _Block:
         self.keys = list(derived)
 
     def build(self, whole, sources, offset, size):
+        """``(partials, sliced)`` of one tile, ``sliced`` in ``whole``'s order (``None`` for the
+        prologue's outputs: never cut along the keys)."""
         derived = {**self.constants, **dict(zip(self.keys, whole[self.n:]))}
-        return self.builder(whole[:self.n], offset, size, derived, sliced_from=sources[:self.n])
+        partials, sliced = self.builder(whole[:self.n], offset, size, derived, sliced_from=sources[:self.n])
+        return partials, list(sliced) + [None] * len(self.keys)
 
 
 def _tile_index(t, first, stop):
