@@ -495,6 +495,9 @@ _register("TensorScatterUpdate TensorScatterAdd TensorScatterSub TensorScatterMa
 # A TensorArray written in a loop (the splitter's concatenating combiner): XLA allocates the stacked
 # buffer, which the stack reads out as its output; the reserve itself holds nothing yet.
 _register("TensorListReserve", Rule(Kind.STATIC, static_inputs=(0, 1)))
+# A slice written into a buffer (the concatenating combiner's remainder slice, after its loop): XLA
+# writes it over the buffer in place when the buffer dies there, the slice fused into the write.
+_register("XlaDynamicUpdateSlice", Rule(Kind.LOOP, in_place=True))
 _register("TensorListStack", Rule(Kind.LIBRARY, static_inputs=(1,)))
 _register("UnsortedSegmentSum UnsortedSegmentMax UnsortedSegmentMin UnsortedSegmentProd",
           Rule(Kind.LIBRARY, static_inputs=(2,)))

@@ -102,6 +102,12 @@ def _module_token(function_name) -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", name).strip("_") + "__"
 
 
+def _measuring():
+    """A block whose programs are compiled to be measured, never run: XLA dumps their reports, and on
+    XLA:CPU (no GPU visible, so they compile for the CPU) generates their code at LLVM's level 0."""
+    return xla_flags.dump_for_one_compile(fast_codegen=not tf.config.list_logical_devices("GPU"))
+
+
 def _read_total_bytes(folder: str, function_name=None) -> int:
     """The "Total bytes used" of the programs XLA dumped into ``folder``: those of the function named
     ``function_name``, if given and found.  Another thread's compile can land in the folder while it
@@ -154,11 +160,11 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
         outer = tf.function(lambda *a, **k: copy(*a, **k), jit_compile=True, autograph=False)
         with hook.suspended():
             called = outer.get_concrete_function(*args, **kwargs)
-            with xla_flags.dump_for_one_compile() as folder:
+            with _measuring() as folder:
                 outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
                 return _read_total_bytes(folder, called.name)
     with suspend():
-        with xla_flags.dump_for_one_compile() as folder:
+        with _measuring() as folder:
             copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
             return _read_total_bytes(folder, concrete.name)
 
@@ -213,7 +219,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         if key in _FIGURES:
             _FIGURES.move_to_end(key)
             return _FIGURES[key]
-        with xla_flags.dump_for_one_compile() as folder:
+        with _measuring() as folder:
             fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
             figure = _read_total_bytes(folder, concrete.name)
         _FIGURES[key] = figure
@@ -344,7 +350,7 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     try:
         for name, flat, captured in ((forward.name, flat_args, concrete.captured_inputs),
                                      (backward.name, backward_specs, ())):
-            with xla_flags.dump_for_one_compile() as folder:
+            with _measuring() as folder:
                 _tf_internals.compile_by_name(name, flat, captured)
                 sizes.append(_read_total_bytes(folder, name))
     except (ValueError, tf.errors.InvalidArgumentError) as e:

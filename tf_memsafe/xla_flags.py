@@ -24,13 +24,18 @@ value naming a file is replaced by the file's text, which XLA would have read in
 unreadable file is left for XLA to report).  After that, a measurement can point ``--xla_dump_to``
 at a private temporary directory for the duration of one compile and put the user's value back.
 Since XLA would keep the measurement's dump settings (second fact), the value after a measurement
-is the reset flag, then :data:`DUMP_DEFAULTS` (the default value of every dump flag a measurement
-sets), then the user's value: the user's own flags come last and win, as they did before.
+is the reset flag, then :data:`DUMP_DEFAULTS` (the default value of every flag a measurement may
+set), then the user's value: the user's own flags come last and win, as they did before.
 
 Flags tf_memsafe may set, and why:
 
 ``--xla_flags_reset=true``
     lets per-compile settings (the dump directory below) take effect after XLA's first compile.
+``--xla_backend_optimization_level=0``
+    only while the splitter and :func:`tf_memsafe.memory_footprint` compile a program on XLA:CPU
+    to read its figure, never to run it (it changes LLVM's code generation, which comes after the
+    buffer assignment); put back to XLA's default, 3, after (a user's own value wins, as for the dump
+    flags).
 ``--xla_dump_to=<private temp dir>``, ``--xla_dump_hlo_as_text``, and empty
 ``--xla_dump_hlo_module_re`` and ``--xla_dump_hlo_pass_re`` and ``--xla_dump_max_hlo_modules=-1``
     only while :func:`tf_memsafe.memory_footprint` compiles: XLA then writes its buffer
@@ -97,7 +102,12 @@ _DUMP_FLAG_DEFAULTS = (
     ("--xla_dump_hlo_pass_re", ""),
     ("--xla_dump_max_hlo_modules", "-1"),
 )
-DUMP_DEFAULTS = " ".join(f"{name}={value}" for name, value in _DUMP_FLAG_DEFAULTS)
+# LLVM's optimization level for the code XLA generates (XLA's default, 3).  A measurement that is
+# compiled and never run may ask for 0 (``fast_codegen``): XLA:CPU's HLO passes and buffer
+# assignment come before code generation, so its figure is the same, in less time.
+_CODEGEN_FLAG, _CODEGEN_DEFAULT, _CODEGEN_FAST = "--xla_backend_optimization_level", "3", "0"
+DUMP_DEFAULTS = " ".join(f"{name}={value}"
+                         for name, value in (*_DUMP_FLAG_DEFAULTS, (_CODEGEN_FLAG, _CODEGEN_DEFAULT)))
 
 
 # The eXLA fork's tensor-splitting flags (name, and the fraction of the user's limit sent to it).
@@ -285,10 +295,12 @@ def ensure_reset_flag() -> bool:
 
 
 def _with_flags_after_users(value: str | None, extra: list[str]) -> str:
-    """The reset flag, the user's flags (as written) and ``extra`` after them, so that ``extra`` wins."""
+    """The reset flag, XLA's default code-generation level, the user's flags (as written) and ``extra``
+    after them, so that ``extra`` wins.  (The level is named: XLA would otherwise keep the last one it
+    read, a fast measurement's 0, for the block's compiles; the user's own level, after it, wins.)"""
     users = parse_flags(_split_ours(value or "")[1])
     read = users.text[:users.read_end].lstrip(_WS)
-    return " ".join([RESET_FLAG, *([read] if read else []), *extra])
+    return " ".join([RESET_FLAG, format_flag(_CODEGEN_FLAG, _CODEGEN_DEFAULT), *([read] if read else []), *extra])
 
 
 def _after_measurement(previous: str | None) -> str:
@@ -296,9 +308,10 @@ def _after_measurement(previous: str | None) -> str:
     return _join(f"{RESET_FLAG} {DUMP_DEFAULTS}", _split_ours(previous or "")[1])
 
 
-def _measurement_flags(folder: str) -> list[str]:
+def _measurement_flags(folder: str, fast_codegen: bool = False) -> list[str]:
     overrides = {"--xla_dump_to": folder, "--xla_dump_hlo_as_text": "true"}
-    return [format_flag(name, overrides.get(name, default)) for name, default in _DUMP_FLAG_DEFAULTS]
+    flags = [format_flag(name, overrides.get(name, default)) for name, default in _DUMP_FLAG_DEFAULTS]
+    return flags + ([format_flag(_CODEGEN_FLAG, _CODEGEN_FAST)] if fast_codegen else [])
 
 
 _DUMP_RE = re.compile(r"tf_memsafe_(?:xla|run)_dump_(\d+)_")
@@ -338,18 +351,20 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def dump_for_one_compile() -> Iterator[str]:
+def dump_for_one_compile(fast_codegen: bool = False) -> Iterator[str]:
     """Make XLA dump the programs compiled inside the block into a fresh directory (yielded).
 
     Inside the block ``XLA_FLAGS`` holds the reset flag, the user's flags as written, then the
     measurement's dump flags (which win): the user's own dump directory and dump filters do not
-    apply to the block's compiles.  After it, ``XLA_FLAGS`` holds the reset flag,
-    :data:`DUMP_DEFAULTS` and the user's value byte for byte; the directory is deleted.
+    apply to the block's compiles.  With ``fast_codegen`` (for programs compiled to be measured and
+    never run, on XLA:CPU) the block's code is generated at LLVM's level 0 as well.  After it,
+    ``XLA_FLAGS`` holds the reset flag, :data:`DUMP_DEFAULTS` and the user's value byte for byte;
+    the directory is deleted.
     """
     with flags_lock:
         previous = os.environ.get(ENV)
         folder = _dump_dir("xla")
-        os.environ[ENV] = _with_flags_after_users(previous, _measurement_flags(folder))
+        os.environ[ENV] = _with_flags_after_users(previous, _measurement_flags(folder, fast_codegen))
         try:
             yield folder
         finally:

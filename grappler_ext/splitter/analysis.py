@@ -944,11 +944,12 @@ def floor(est, info) -> int:
     return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
 
 
-def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> int:
-    """The bytes the program as rewritten so far needs by the memory model, each of the splitter's
-    loops counted as a kernel whose scratch is its body's planned bytes (``loop_bytes``).  Where that
-    cannot be estimated (an op without a rule; the dynamic shapes of a sparse update): the most of
-    the static part (a lower bound), ``planned_bytes`` (the loops' plans) and :func:`floor`."""
+def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> tuple[int, bool]:
+    """``(bytes, lower_bound)``: the bytes the program as rewritten so far needs by the memory model,
+    each of the splitter's loops counted as a kernel whose scratch is its body's planned bytes
+    (``loop_bytes``).  Where that cannot be estimated (an op without a rule; the dynamic shapes of a
+    sparse update): the most of the static part, ``planned_bytes`` (the loops' plans) and
+    :func:`floor`, a lower bound (``lower_bound`` true: only XLA's figure can say it is within)."""
     def body(op, ctx):
         return loop_bytes.get(op.name, 0)
 
@@ -958,9 +959,9 @@ def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> int:
     after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(LOOP_TYPES, loop),
                                                **dict.fromkeys(BRANCH_TYPES - {"Case", "StatelessCase"}, branch)})
     if after.peak_bytes is not None:
-        return after.peak_bytes
+        return after.peak_bytes, False
     known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
-    return max(planned_bytes, known, floor(after, info))
+    return max(planned_bytes, known, floor(after, info)), True
 
 
 def is_ours(names) -> bool:

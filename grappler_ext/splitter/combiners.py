@@ -111,9 +111,11 @@ class Combiner(abc.ABC):
     def finish(self, carry: list, tail_partials: Sequence[tf.Tensor] | None, tail_offset: int) -> list[tf.Tensor]:
         """The outputs, from the loop's carry and the tail slice's partials (``None``: no tail)."""
 
-    def initial(self, partial_specs: Sequence[tf.TensorSpec], steps: int, values: Sequence[tf.Tensor]) -> list:
+    def initial(self, partial_specs: Sequence[tf.TensorSpec], steps: int, values: Sequence[tf.Tensor],
+                tail: int = 0) -> list:
         """The loop carry before the first slice, given the loop's inputs ``values`` (what
-        :class:`InPlace` writes into; ``None``: not given); by default :meth:`init`."""
+        :class:`InPlace` writes into; ``None``: not given) and the rows of the remainder slice after
+        the loop (``tail``); by default :meth:`init`."""
         return self.init(partial_specs, steps)
 
     def carried_inputs(self, carry: Sequence) -> dict:
@@ -137,8 +139,14 @@ class Combiner(abc.ABC):
 class Concat(Combiner):
     """Partials are slices of the outputs along ``axes[i]``: written in order, then joined.
 
-    The loop writes each slice into a ``TensorArray``; ``finish`` stacks them ([steps, .., c, ..]),
-    moves the steps axis next to the split axis and merges the two, then appends the tail.
+    Where the count of slices and a slice's shape are static (:meth:`initial`), the loop writes
+    each slice, and ``finish`` the tail, at its offset into a buffer of the output's shape: the
+    buffer is the output, with no copy to join it (a layer's output split along its sequence was
+    held twice at the loop's end, the slices and their join), and a tensor the loop can be told to
+    make late (:func:`.loop._loop`'s ``after``: XLA makes a buffer of a constant at the program's
+    start).  Otherwise (:meth:`init`) each slice goes into a ``TensorArray``, and ``finish`` stacks
+    them ([steps, .., c, ..]), moves the steps axis next to the split axis and merges the two, then
+    appends the tail.
     """
 
     name = "concat"
@@ -150,12 +158,30 @@ class Concat(Combiner):
         return [tf.TensorArray(s.dtype, size=steps, element_shape=s.shape, infer_shape=True)
                 for s in partial_specs]
 
+    def initial(self, partial_specs, steps, values, tail=0):
+        if not (isinstance(steps, int) and isinstance(tail, int)
+                and all(s.shape.is_fully_defined() for s in partial_specs)):
+            return self.init(partial_specs, steps)
+        return [tf.zeros([d * steps + tail if k == self.axes[i] else d for k, d in enumerate(s.shape.as_list())],
+                         s.dtype) for i, s in enumerate(partial_specs)]
+
     def step(self, carry, partials, index, offset):
-        return [ta.write(index, p) for ta, p in zip(carry, partials)]
+        return [ta.write(index, p) if isinstance(ta, tf.TensorArray) else write_slice(ta, p, self.axes[i], offset)
+                for i, (ta, p) in enumerate(zip(carry, partials))]
 
     def finish(self, carry, tail_partials, tail_offset):
-        return [join_slices(ta, self.axes[i], None if tail_partials is None else tail_partials[i])
-                for i, ta in enumerate(carry)]
+        out = []
+        for i, ta in enumerate(carry):
+            tail = None if tail_partials is None else tail_partials[i]
+            if isinstance(ta, tf.TensorArray):
+                out.append(join_slices(ta, self.axes[i], tail))
+            elif tail is None:
+                out.append(ta)
+            elif (at := _static(tail_offset)) is not None and ta.shape[self.axes[i]] == at + tail.shape[self.axes[i]]:
+                out.append(write_slice(ta, tail, self.axes[i], tail_offset))       # the room :meth:`initial` left
+            else:                                                                  # made by :meth:`init`'s caller
+                out.append(tf.concat([ta, tail], self.axes[i]))
+        return out
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         return [None if up is None else dynamic_slice(up, self.axes[i], offset, chunk)
@@ -186,7 +212,7 @@ class InPlace(Concat):
     def init(self, partial_specs, steps):
         raise ValueError("a result written in place starts from the input it is written into (initial)")
 
-    def initial(self, partial_specs, steps, values):
+    def initial(self, partial_specs, steps, values, tail=0):
         if values is None:
             return self.init(partial_specs, steps)
         return [values[k] for k in self.sources]
@@ -206,6 +232,12 @@ class InPlace(Concat):
         raise ValueError("a result written in place needs a static length")
 
 
+def _static(value) -> int | None:
+    """``value`` (an int, or a tensor XLA resolves when it compiles) as a Python int; ``None``: unknown."""
+    known = value if isinstance(value, int) else tf.get_static_value(value)
+    return None if known is None else int(known)
+
+
 def write_slice(buffer: tf.Tensor, piece: tf.Tensor, axis: int, offset) -> tf.Tensor:
     """``buffer`` with ``piece`` written over it from ``offset`` along ``axis``."""
     offset = tf.cast(offset, tf.int32)
@@ -221,6 +253,9 @@ class _ConcatTo(Concat):
     def __init__(self, axes: Sequence[int], length: tf.Tensor):
         super().__init__(axes)
         self.length = length
+
+    def initial(self, partial_specs, steps, values, tail=0):
+        return self.init(partial_specs, steps)
 
     def finish(self, carry, tail_partials, tail_offset):
         return [join_slices(ta, self.axes[i], None if tail_partials is None else tail_partials[i], self.length)
@@ -642,8 +677,8 @@ class Group(Combiner):
     def init(self, partial_specs, steps):
         return self.initial(partial_specs, steps, None)
 
-    def initial(self, partial_specs, steps, values):
-        carries = [c.initial(specs, steps, values)
+    def initial(self, partial_specs, steps, values, tail=0):
+        carries = [c.initial(specs, steps, values, tail)
                    for (c, _, _), specs in zip(self.parts, self._cut(partial_specs, [n for _, n, _ in self.parts]))]
         self._carry_sizes = [len(c) for c in carries]
         return [x for c in carries for x in c]

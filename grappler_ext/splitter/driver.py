@@ -437,11 +437,11 @@ class _Run:
             done |= outcome
             analysis.forget_dead(order_index, graph)
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
-            after = analysis.needed_now(graph, planned, self.loop_bytes)
+            after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
             if after <= limit * t.model_trust and trust_model:      # as a program left alone must
-                # Checked with XLA like a program left alone; if over, the model's word is not
-                # taken again: every large tensor left is split.
-                figure = self.figure() if after >= t.check_from * limit else Figure()
+                # Checked with XLA like a program left alone (always where the model's count is only a
+                # lower bound); if over, the model's word is not taken again: every large tensor left is split.
+                figure = self.figure() if after >= t.check_from * limit or bound else Figure()
                 if not figure.over(self.limit):
                     checked = figure.known
                     break

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -189,8 +190,10 @@ def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, mon
     text = (tmp_path / "SUMMARY.md").read_text()
     assert "**This run failed**: experiments.knn failed: RuntimeError: its last line" in text
     assert "**This run failed**: experiments.kernel_matvec failed: main returned 3" in text
-    assert "| knn | N = M = 4000 | fits |" in text and "| [Overhead](#overhead) | `overhead.json` | quick | " \
-        "not recorded | ran (0 s) |" in text
+    assert "| knn | N = M = 4000 | fits |" in text
+    # (its seconds are the machine's: 1 s where the suite shares it with something else)
+    assert re.search(r"\| \[Overhead\]\(#overhead\) \| `overhead.json` \| quick \| not recorded \| "
+                     r"ran \(\d+ s\) \|", text)
     assert "(module experiments.no_such_experiment does not exist yet)" in text
     assert "| [Transformer](#transformer) | none | - | - | - |" in text   # not chosen: not run now
 

@@ -1,5 +1,6 @@
 """memory_footprint and peak_memory: XLA's own figure, measured without running, and the runtime peak."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -206,6 +207,54 @@ def test_a_measurement_leaves_no_dump_setting_behind():
     assert glob.glob(private) == []
 
 
+class TestFastCodegen:
+    """Programs compiled only to be measured are generated at LLVM's level 0 on XLA:CPU: the same
+    figure as at XLA's default level (the buffer assignment comes before code generation), and the
+    program the user runs is compiled afresh, at the default level."""
+
+    @staticmethod
+    def step(x, w):
+        def body(i, acc):
+            piece = tf.slice(x, [i * 64, 0], [64, 96])
+            return i + 1, acc + tf.reduce_sum(tf.nn.softmax(piece @ w @ tf.transpose(x)), 0)
+        return tf.while_loop(lambda i, acc: i < 8, body, (0, tf.zeros([512])))[1]
+
+    def figures(self, fast: bool, monkeypatch) -> list[int]:
+        monkeypatch.setattr(memory, "_measuring", lambda: xla_flags.dump_for_one_compile(fast_codegen=fast))
+        specs = (tf.TensorSpec([512, 96]), tf.TensorSpec([96, 96]))
+        loop = tf.function(self.step, jit_compile=True, autograph=False)
+        return [memory.compiled_bytes(loop, *specs),
+                tf_memsafe.memory_footprint(pairwise_sq_dist, tf.TensorSpec([300, 7]), tf.TensorSpec([200, 7])),
+                *dataclasses.astuple(tf_memsafe.tape_footprint(TestTapeFootprint.loss, tf.TensorSpec([300, 64]),
+                                                               tf.TensorSpec([40, 64])))]
+
+    def test_gives_the_default_levels_figures(self, monkeypatch):
+        memory._FIGURES.clear()
+        fast = self.figures(True, monkeypatch)
+        memory._FIGURES.clear()
+        assert fast == self.figures(False, monkeypatch)
+        assert fast[1] >= 300 * 200 * F32
+
+    def test_is_what_a_measurement_on_the_cpu_asks_for_and_the_run_compiles_its_own(self):
+        asked = []
+        real = xla_flags.dump_for_one_compile
+
+        def spy(**kw):
+            asked.append(kw)
+            return real(**kw)
+
+        f = tf.function(lambda a: tf.reduce_sum(a @ tf.transpose(a)), jit_compile=True)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(xla_flags, "dump_for_one_compile", spy)
+            tf_memsafe.memory_footprint(f, tf.TensorSpec([128, 32]))
+        assert asked == [{"fast_codegen": True}]
+        last = {g.name: g.value for g in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+        assert last["--xla_backend_optimization_level"] == "3"
+        with xla_flags.dump_all_compiles() as folder:
+            f(tf.ones([128, 32]))
+            assert len(xla_flags.memory_reports(folder)) == 1       # compiled for the run, not reused
+
+
 @pytest.mark.slow
 def test_measurement_after_xla_already_read_its_flags_is_a_clear_error():
     code = """
@@ -308,7 +357,7 @@ class TestProgramsMeasuredOnce:
         spec = tf.TensorSpec([4096, 64])
         compiles = []
         real = xla_flags.dump_for_one_compile
-        monkeypatch.setattr(xla_flags, "dump_for_one_compile", lambda: (compiles.append(1), real())[1])
+        monkeypatch.setattr(xla_flags, "dump_for_one_compile", lambda **kw: (compiles.append(1), real(**kw))[1])
         first = memory.compiled_bytes(self.loop(128), spec)
         again = memory.compiled_bytes(self.loop(128), spec)           # another tf.function, built alike
         other = memory.compiled_bytes(self.loop(1024), spec)

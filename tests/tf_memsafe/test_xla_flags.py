@@ -267,7 +267,8 @@ class TestTheUsersValueIsKeptByteForByte:
             inside = xla_flags.parse_flags(os.environ["XLA_FLAGS"])
         read = [f.argv for f in inside.flags]
         users = [f.argv for f in xla_flags.parse_flags(value).flags]
-        assert read[0] == xla_flags.RESET_FLAG and read[1:1 + len(users)] == users
+        assert read[0] == xla_flags.RESET_FLAG and read[2:2 + len(users)] == users
+        assert read[1] == "--xla_backend_optimization_level=3"        # XLA's default, unless the user's
         # Last wins in XLA: the measurement's directory, text dumps and no filter of the user's.
         last = {f.name: f.value for f in inside.flags}
         assert last["--xla_dump_to"] == folder and last["--xla_dump_hlo_module_re"] == ""
@@ -279,6 +280,19 @@ class TestTheUsersValueIsKeptByteForByte:
         with xla_flags.dump_for_one_compile():
             pass
         assert xla_flags.user_value() == value          # a second measurement changes nothing more
+
+    def test_fast_codegen_wins_inside_the_block_and_the_default_or_the_users_level_after(self, monkeypatch):
+        for value, after in (("--xla_cpu_enable_fast_math=false", "3"), ("--xla_backend_optimization_level=2", "2")):
+            monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.RESET_FLAG} {value}")
+            with xla_flags.dump_for_one_compile(fast_codegen=True):
+                inside = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert inside["--xla_backend_optimization_level"] == "0"
+            last = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert last["--xla_backend_optimization_level"] == after and xla_flags.user_value() == value
+            # A block without it names XLA's default (XLA would keep the 0 it read last) or the user's.
+            with xla_flags.dump_for_one_compile():
+                plain = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert plain["--xla_backend_optimization_level"] == after
 
     def test_set_and_unset_edit_the_text_only_where_xla_reads(self, known, monkeypatch):
         known("--xla_cpu_use_thunk_runtime=false")

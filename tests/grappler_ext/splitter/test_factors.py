@@ -56,13 +56,16 @@ def training_step(loss_of):
     return step
 
 
-@pytest.mark.parametrize("fn, lengths", [
-    (per_example, {B, L}), (attention_like, {B}), (per_position, {L}),
-    (training_step(per_example), {B, L}), (training_step(attention_like), {B}), (training_step(per_position), {L}),
+# attention_like's forward under a fifth: at a quarter, two loops (the first Dense along the sequence,
+# then the reduction over its features) fit it as well, 3.7 MB of 4.8 MB.
+@pytest.mark.parametrize("fn, lengths, ratio", [
+    (per_example, {B, L}, 4), (attention_like, {B}, 5), (per_position, {L}, 4),
+    (training_step(per_example), {B, L}, 4), (training_step(attention_like), {B}, 4),
+    (training_step(per_position), {L}, 4),
 ], ids=lambda v: getattr(v, "__name__", ""))
-def test_a_loop_through_merged_rows(fn, lengths):
+def test_a_loop_through_merged_rows(fn, lengths, ratio):
     naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
-    limit = naive // 4
+    limit = naive // ratio
     tf_memsafe.enable(limit, strict=True)
     try:
         got = tf.function(fn, jit_compile=True)(X)
