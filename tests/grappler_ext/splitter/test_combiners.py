@@ -236,22 +236,14 @@ class TestConcat:
         "transposed-0-to-2": (0, F64, lambda s: [tf.transpose(s, (1, 2, 0))], (2,)),
     }
 
+    @pytest.mark.parametrize("arrays", [False, True], ids=["buffer", "tensor_arrays"])
     @pytest.mark.parametrize("jit", MODES)
     @pytest.mark.parametrize("chunk", CHUNKS)
     @pytest.mark.parametrize("case", CASES)
-    def test_equals_the_whole(self, case, chunk, jit):
+    def test_equals_the_whole(self, case, chunk, jit, arrays):
         axis, dtype, root, out_axes = self.CASES[case]
         x = integers(shape_with(axis), dtype, -4, 4)
-        got = split_apply(Concat(out_axes), root, x, axis, chunk, jit)
-        assert_exact(got, reference(root, x), f"{case} chunk={chunk}")
-
-    @pytest.mark.parametrize("jit", MODES)
-    @pytest.mark.parametrize("chunk", CHUNKS)
-    @pytest.mark.parametrize("case", CASES)
-    def test_slices_joined_from_tensor_arrays_equal_the_whole(self, case, chunk, jit):
-        axis, dtype, root, out_axes = self.CASES[case]
-        x = integers(shape_with(axis), dtype, -4, 4)
-        got = split_apply(Concat(out_axes), root, x, axis, chunk, jit, arrays=True)
+        got = split_apply(Concat(out_axes), root, x, axis, chunk, jit, arrays)
         assert_exact(got, reference(root, x), f"{case} chunk={chunk}")
 
     @pytest.mark.parametrize("jit", MODES)
