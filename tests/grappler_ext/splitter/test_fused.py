@@ -411,8 +411,14 @@ def test_a_forward_computes_its_keys_and_values_in_each_loops_prologue(monkeypat
     plans = loops()
     assert len(plans) == 2 and all(p.prologue_ops for p in plans), [p.render() for p in plans]
     assert_close(got, expected)
-    assert figure <= 4 * LIMIT
+    # Each loop's output buffer is made once its prologue has run (loop._made_after): made at the
+    # program's start, XLA held it through the prologue's projections (measured: 6.8 MB, 4.1 MB now).
+    assert figure <= 5 * 10**6, figure
+    with monkeypatch.context() as m, splitter_only():
+        m.setattr(loop, "_made_after", lambda carry, values, after: carry)
+        early = tf_memsafe.memory_footprint(tf.function(forward, jit_compile=True), X, TARGET)
+    assert 6 * 10**6 < early <= 4 * LIMIT, early
     monkeypatch.setattr(analysis, "prologue", lambda *a, **k: [])
     with splitter_only(), pytest.warns(RuntimeWarning, match="over its limit"):
         without = tf_memsafe.memory_footprint(tf.function(forward, jit_compile=True), X, TARGET)
-    assert without > 4 * LIMIT, without            # (measured: 8.9 MB without, 6.8 MB with)
+    assert without > 4 * LIMIT, without            # (measured: 8.9 MB without, 4.1 MB with)
