@@ -248,10 +248,11 @@ def _remove(text: str, flag: Flag) -> str:
 def _split_ours(value: str) -> tuple[str, str]:
     """``(tf_memsafe's prefix, the user's value)`` of an ``XLA_FLAGS`` value.
 
-    The prefix is the reset flag, followed by :data:`DUMP_DEFAULTS` after a measurement, and one
-    separating whitespace character; the user's value is the rest, byte for byte.
+    The prefix is the reset flag, followed by :data:`DUMP_DEFAULTS` after a measurement (by XLA's
+    default code-generation level inside one), and one separating whitespace character; the user's
+    value is the rest, byte for byte.
     """
-    for prefix in (f"{RESET_FLAG} {DUMP_DEFAULTS}", RESET_FLAG):
+    for prefix in (f"{RESET_FLAG} {DUMP_DEFAULTS}", f"{RESET_FLAG} {_CODEGEN_FLAG}={_CODEGEN_DEFAULT}", RESET_FLAG):
         if value.startswith(prefix) and (len(value) == len(prefix) or value[len(prefix)] in _WS):
             return prefix, value[len(prefix) + 1:]
     return "", value

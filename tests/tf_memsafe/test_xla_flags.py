@@ -265,10 +265,12 @@ class TestTheUsersValueIsKeptByteForByte:
         monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.RESET_FLAG} {value}")
         with xla_flags.dump_for_one_compile() as folder:
             inside = xla_flags.parse_flags(os.environ["XLA_FLAGS"])
+            ours = xla_flags._split_ours(os.environ["XLA_FLAGS"])[0]
         read = [f.argv for f in inside.flags]
         users = [f.argv for f in xla_flags.parse_flags(value).flags]
         assert read[0] == xla_flags.RESET_FLAG and read[2:2 + len(users)] == users
         assert read[1] == "--xla_backend_optimization_level=3"        # XLA's default, unless the user's
+        assert ours == f"{xla_flags.RESET_FLAG} --xla_backend_optimization_level=3"    # not the user's
         # Last wins in XLA: the measurement's directory, text dumps and no filter of the user's.
         last = {f.name: f.value for f in inside.flags}
         assert last["--xla_dump_to"] == folder and last["--xla_dump_hlo_module_re"] == ""
