@@ -112,10 +112,10 @@ class Combiner(abc.ABC):
         """The outputs, from the loop's carry and the tail slice's partials (``None``: no tail)."""
 
     def initial(self, partial_specs: Sequence[tf.TensorSpec], steps: int, values: Sequence[tf.Tensor],
-                tail: int = 0) -> list:
+                tail: int) -> list:
         """The loop carry before the first slice, given the loop's inputs ``values`` (what
         :class:`InPlace` writes into; ``None``: not given) and the rows of the remainder slice after
-        the loop (``tail``); by default :meth:`init`."""
+        the loop (``tail``: a :class:`Concat` leaves room for them); by default :meth:`init`."""
         return self.init(partial_specs, steps)
 
     def carried_inputs(self, carry: Sequence) -> dict:
@@ -158,7 +158,7 @@ class Concat(Combiner):
         return [tf.TensorArray(s.dtype, size=steps, element_shape=s.shape, infer_shape=True)
                 for s in partial_specs]
 
-    def initial(self, partial_specs, steps, values, tail=0):
+    def initial(self, partial_specs, steps, values, tail):
         if not (isinstance(steps, int) and isinstance(tail, int)
                 and all(s.shape.is_fully_defined() for s in partial_specs)):
             return self.init(partial_specs, steps)
@@ -175,12 +175,8 @@ class Concat(Combiner):
             tail = None if tail_partials is None else tail_partials[i]
             if isinstance(ta, tf.TensorArray):
                 out.append(join_slices(ta, self.axes[i], tail))
-            elif tail is None:
-                out.append(ta)
-            elif (at := _static(tail_offset)) is not None and ta.shape[self.axes[i]] == at + tail.shape[self.axes[i]]:
-                out.append(write_slice(ta, tail, self.axes[i], tail_offset))       # the room :meth:`initial` left
-            else:                                                                  # made by :meth:`init`'s caller
-                out.append(tf.concat([ta, tail], self.axes[i]))
+            else:                                   # the buffer :meth:`initial` made, with the tail's room
+                out.append(ta if tail is None else write_slice(ta, tail, self.axes[i], tail_offset))
         return out
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
@@ -212,7 +208,7 @@ class InPlace(Concat):
     def init(self, partial_specs, steps):
         raise ValueError("a result written in place starts from the input it is written into (initial)")
 
-    def initial(self, partial_specs, steps, values, tail=0):
+    def initial(self, partial_specs, steps, values, tail):
         if values is None:
             return self.init(partial_specs, steps)
         return [values[k] for k in self.sources]
@@ -232,12 +228,6 @@ class InPlace(Concat):
         raise ValueError("a result written in place needs a static length")
 
 
-def _static(value) -> int | None:
-    """``value`` (an int, or a tensor XLA resolves when it compiles) as a Python int; ``None``: unknown."""
-    known = value if isinstance(value, int) else tf.get_static_value(value)
-    return None if known is None else int(known)
-
-
 def write_slice(buffer: tf.Tensor, piece: tf.Tensor, axis: int, offset) -> tf.Tensor:
     """``buffer`` with ``piece`` written over it from ``offset`` along ``axis``."""
     offset = tf.cast(offset, tf.int32)
@@ -254,7 +244,7 @@ class _ConcatTo(Concat):
         super().__init__(axes)
         self.length = length
 
-    def initial(self, partial_specs, steps, values, tail=0):
+    def initial(self, partial_specs, steps, values, tail):
         return self.init(partial_specs, steps)
 
     def finish(self, carry, tail_partials, tail_offset):
@@ -675,10 +665,14 @@ class Group(Combiner):
         return out
 
     def init(self, partial_specs, steps):
-        return self.initial(partial_specs, steps, None)
+        return self._carries(partial_specs, lambda c, specs: c.init(specs, steps))
 
-    def initial(self, partial_specs, steps, values, tail=0):
-        carries = [c.initial(specs, steps, values, tail)
+    def initial(self, partial_specs, steps, values, tail):
+        return self._carries(partial_specs, lambda c, specs: c.initial(specs, steps, values, tail))
+
+    def _carries(self, partial_specs, make) -> list:
+        """The parts' carries, each ``make(part, its partial specs)``, in order (their sizes kept)."""
+        carries = [make(c, specs)
                    for (c, _, _), specs in zip(self.parts, self._cut(partial_specs, [n for _, n, _ in self.parts]))]
         self._carry_sizes = [len(c) for c in carries]
         return [x for c in carries for x in c]

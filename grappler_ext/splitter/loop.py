@@ -347,8 +347,7 @@ def _with_carried(values, combiner: Combiner, carry) -> list:
     return values
 
 
-def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: int, after: Sequence = (),
-          tail: int = 0):
+def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: int, *, after: Sequence, tail: int):
     carry0 = _made_after(combiner.initial(partial_specs, steps, values, tail), values, after)
 
     def body(i, *carry):
@@ -363,11 +362,10 @@ def _loop(build, values, combiner: Combiner, partial_specs, steps: int, chunk: i
 
 def _made_after(carry: list, values: Sequence, after: Sequence) -> list:
     """``carry`` with its new buffers (a joined output's, a sum's zero: not one of the loop's inputs
-    ``values``) made only once ``after`` (the prologue's outputs) exist.  XLA makes a buffer of a
-    constant (a zero) at the program's start otherwise, held through every prologue before the loop
-    (two cross-attention layers' forward: 6.8 MB, 4.1 MB made after; ``test_fused.py``).  Adding
-    ``0 * anchor`` is no change of the values (a boolean anchor, never NaN) and XLA does not fold it
-    (0 * x is not 0 for every float x)."""
+    ``values``) made only once ``after`` (the prologue's outputs) exist (:func:`_zero_after` added).
+    XLA makes a buffer of a constant (a zero) at the program's start otherwise, held through every
+    prologue before the loop (two cross-attention layers' forward: 6.8 MB, 4.1 MB made after;
+    ``test_fused.py``)."""
     if not after:
         return carry
     anchor = _opaque_true(list(after))
@@ -376,7 +374,7 @@ def _made_after(carry: list, values: Sequence, after: Sequence) -> list:
     def late(c):
         if not isinstance(c, tf.Tensor) or c.ref() in inputs or not (c.dtype.is_floating or c.dtype.is_integer):
             return c
-        return c + tf.cast(anchor, c.dtype) * 0
+        return c + _zero_after(anchor, c.dtype)
 
     return [late(c) for c in carry]
 
@@ -536,7 +534,7 @@ def _zero_sums(values, read_whole, after) -> list[tf.Tensor]:
     0.3 MB more (XLA's schedule moved)."""
     whole = [v for v, w in zip(values, read_whole) if w]
     anchor = _opaque_true(list(after) or [v for v in values if v.dtype.is_floating])
-    return [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), tf.cast(anchor, v.dtype) * 0)
+    return [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), _zero_after(anchor, v.dtype))
             for v in whole]        # (v's shape, not its original's: a prologue's output is relaid)
 
 
@@ -747,6 +745,12 @@ def _slice_shape(t: tf.Tensor, axis: int, chunk) -> tf.TensorShape:
         return tf.TensorShape(None)
     dims[axis] = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
     return tf.TensorShape(dims)
+
+
+def _zero_after(anchor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """A zero of ``dtype`` XLA computes only once ``anchor`` (:func:`_opaque_true`) exists, and never
+    folds to a constant: ``0 * x`` is not 0 for every float ``x`` (the boolean anchor is never NaN)."""
+    return tf.cast(anchor, dtype) * 0
 
 
 def _opaque_true(tensors: Sequence) -> tf.Tensor:

@@ -42,6 +42,7 @@ from grappler_ext.splitter.combiners import (
     Arg,
     Concat,
     Extremum,
+    Group,
     Mean,
     OnlineSoftmax,
     Reduce,
@@ -247,15 +248,21 @@ class TestConcat:
         assert_exact(got, reference(root, x), f"{case} chunk={chunk}")
 
     @pytest.mark.parametrize("jit", MODES)
-    def test_a_buffer_made_without_room_for_the_tail_gets_it_appended(self, jit):
-        """``initial`` told of no tail (a ``Group``'s ``init``): the tail is appended, never written
-        past the buffer's end (XLA would clamp the offset and overwrite the last slice)."""
+    def test_a_groups_init_joins_its_concat_and_the_tail_exactly(self, jit):
+        """A ``Group``'s ``init`` (the fused loop's carry: the tail's rows not given) gives its concat
+        ``TensorArray``s, whose tail is appended: a buffer without room for it would have the tail
+        written past its end (XLA clamps the offset and overwrites the last slice).  ``initial``,
+        which makes the buffers, must be told the tail."""
         x = integers(shape_with(1), F32, -4, 4)
-        root, combiner, chunk = _square_and_cumsum(1), Concat((1, 1)), 4          # two slices, a tail of 1
+        root, chunk = _square_and_cumsum(1), 4                                     # two slices, a tail of 1
+        combiner = Group([(Concat((1, 1)), 2, 2)])
         specs = _partial_specs(root, shape_with(1, chunk), F32)
+        with pytest.raises(TypeError, match="tail"):
+            combiner.initial(specs, 2, None)
 
         def run(v):
-            carry = combiner.initial(specs, 2, None)
+            carry = combiner.init(specs, 2)
+            assert all(isinstance(c, tf.TensorArray) for c in carry)
             for i in range(2):
                 carry = combiner.step(carry, root(v[:, i * chunk:(i + 1) * chunk]), i, i * chunk)
             return combiner.finish(carry, root(v[:, 2 * chunk:]), 2 * chunk)
