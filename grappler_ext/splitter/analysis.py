@@ -90,11 +90,11 @@ class RootOption:
         return self.split.describe()
 
 
-def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[RootOption]:
+def root_options(root: tf.Operation, ignored: frozenset = frozenset(), through: bool = False) -> list[RootOption]:
     """Every way ``root`` can end a loop: an axis of its output (joined), a reduced axis (folded),
     the top-k axis, a matmul's or a convolution's contracting axis, and softmax(S) @ V over slices of the keys (whose
     softmax nothing else reads but the ops in ``ignored``: the gradients inside the function, rebuilt
-    through the loop)."""
+    through the loop; with ``through``, a softmax read through identities too: :func:`_softmax_read`)."""
     options = []
     out0 = root.outputs[0] if root.outputs else None
     if out0 is not None and out0.shape.rank:
@@ -123,13 +123,12 @@ def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[R
         a_axis = rank - 2 if ta else rank - 1
         b_axis = b_rank - 1 if tb else b_rank - 2
         options.append(RootOption(root, "sum", (a_axis, b_axis)))
-        probs = root.inputs[0]
+        probs, absorbed = _softmax_read(root, ignored, through)
         # softmax(S) @ V over slices of the keys: S's last axis is the contracting axis.
-        if (probs.op.type == "Softmax" and not ta and all(c is root or c in ignored for c in probs.consumers())
-                and probs.dtype.is_floating and shapes.is_static(probs.op.inputs[0])):
+        if probs is not None and not ta:
             options.append(RootOption(root, "online_softmax", (a_axis, b_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], b_axis)),
-                                      absorbed=(probs.op,)))
+                                      absorbed=(probs.op, *absorbed)))
     elif root.type in ("Conv2D", "Conv3D"):
         # conv(x, W) = sum over blocks of input channels of conv(x[.., blk], W[.., blk, :]): the filter's
         # input-channel axis (second last) is contracted with the input's channel axis
@@ -137,15 +136,33 @@ def root_options(root: tf.Operation, ignored: frozenset = frozenset()) -> list[R
         if not isinstance(axes, rules.Refusal):
             options.append(RootOption(root, "sum", (axes[1], root.inputs[1].shape.rank - 2)))
     elif root.type == "Einsum" and len(root.inputs) == 2:
-        probs = root.inputs[0]
+        probs, absorbed = _softmax_read(root, ignored, through)
         layout = softmax_einsum(root)
-        if (layout is not None and probs.op.type == "Softmax" and probs.dtype.is_floating
-                and all(c is root or c in ignored for c in probs.consumers()) and shapes.is_static(probs.op.inputs[0])):
+        if layout is not None and probs is not None:
             v_axis = layout.values.index(layout.probs[-1])
             options.append(RootOption(root, "online_softmax", (rank - 1, v_axis),
                                       requests=((probs.op.inputs[0], rank - 1), (root.inputs[1], v_axis)),
-                                      absorbed=(probs.op,)))
+                                      absorbed=(probs.op, *absorbed)))
     return options
+
+
+def _softmax_read(root: tf.Operation, ignored: frozenset, identities: bool) -> tuple[tf.Tensor | None, tuple]:
+    """The ``Softmax`` whose probabilities ``root`` reads as its first operand, directly or (with
+    ``identities``) through identities, tf_keras' attention dropout at inference, with those
+    identities; ``(None, ())`` unless nothing else reads them (but the ops in ``ignored``) and the
+    scores' shape is static.  (Identities are looked through only for an attention computed by key
+    blocks within each slice of a loop over its rows, :mod:`.nesting`: a loop over the keys alone
+    would change which region tf_keras' layers get.)"""
+    t, through = root.inputs[0], []
+    while identities and t.op.type == "Identity" and all(c is root or c in through or c in ignored
+                                                         for c in t.consumers()):
+        through.append(t.op)
+        t = t.op.inputs[0]
+    readers = {root, *through}
+    if (t.op.type != "Softmax" or not t.dtype.is_floating or not shapes.is_static(t.op.inputs[0])
+            or not all(c in readers or c in ignored for c in t.consumers())):
+        return None, ()
+    return t, tuple(through)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.op_types import nbytes
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, policy, rules, sharding
+from grappler_ext.splitter import analysis, mechanism, nested_loop, nesting, nominal, policy, rules, sharding
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, LoopPlan, Sizing, Why
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
@@ -537,6 +537,8 @@ class _Region:
                 best = wider
         if best is not None and best.planned.chunks.splits:
             best = self.reaching_on(best, tensor, beside, reasons)
+        if best is not None and best.planned.best_effort is not None and not self.backward:
+            best = self.nested(best, beside) or best
         size = info[tensor.name].bytes
         if best is None:
             why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
@@ -640,6 +642,20 @@ class _Region:
                             bytes_after=chunks.predicted_bytes,
                             code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
         return grown.included | set(grown.region.prologue)
+
+    def nested(self, best: _Candidate, beside: policy.Beside) -> _Candidate | None:
+        """``best`` with its attention computed over key blocks in each slice (:mod:`.nesting`), where
+        that plan, sized by XLA's figure for its loop, is better; else ``None``."""
+        nest = nesting.attention_within(best.grown, self.graph_outputs, self.order_index)
+        if isinstance(nest, Why) or self.run.calibrator is None:
+            return None
+        grown = nested_loop.nested(best.grown, nest, nested_loop.key_chunk(nest.keys))
+        planned = policy.nested_plan(best.options, grown, beside, self.budget, self.tuning, lambda c: (
+            mechanism.loop_figure(self.run.calibrator, best.options, grown.region, c)))
+        if isinstance(planned, Why) or (planned.best_effort is not None and planned.chunks.predicted_bytes
+                                        >= best.planned.chunks.predicted_bytes):
+            return None
+        return _Candidate(best.key, best.options, grown, planned, False)
 
     def reaching_on(self, best: _Candidate, tensor, beside: policy.Beside, reasons: list[Why]) -> _Candidate:
         """``best``, or the region reaching on from its joined results along the same axis to where

@@ -108,6 +108,9 @@ class Region:
         batch's size beside its length), how its rows grow with them (:class:`~.scaling.Scaling`):
         the loop's chunks are planned at nominal sizes and scaled to the run's, never below
         ``least_chunk`` (a top-k's k).  Such a region is ``dynamic``.
+      inputs_of: ops that read other tensors than their own inputs: ``{op: [tensor, ...]}`` (an
+        attention computed by a loop of its own inside each slice reads that loop's inputs:
+        :mod:`.nested_loop`).
     """
 
     ops: list[tf.Operation]
@@ -123,6 +126,7 @@ class Region:
     written_into: dict = dataclasses.field(default_factory=dict)
     scaled: Scaling | None = None
     least_chunk: int = 1
+    inputs_of: dict = dataclasses.field(default_factory=dict)
     relaid: dict | None = dataclasses.field(default=None, repr=False, compare=False)   # relaid_prologue's, once
 
 
@@ -219,7 +223,7 @@ def _whole_value(t: tf.Tensor, env: dict, what: str) -> tf.Tensor:
 
 def region_inputs(region: Region) -> dict:
     """The inputs of the region's ops as they are now: ``{op: [tensor, ...]}``."""
-    return {op: list(op.inputs) for op in region.ops}
+    return {op: list(region.inputs_of.get(op, op.inputs)) for op in region.ops}
 
 
 def _slice_builder(region: Region, external: Sequence[tf.Tensor], op_inputs: dict | None = None):
@@ -424,7 +428,7 @@ def _roles(region: Region, external: Sequence[tf.Tensor]) -> tuple[list, list, l
 
 def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
                 differentiable: bool = True, backward_chunk: int | None = None,
-                fused: int | None = None) -> list[tf.Tensor]:
+                fused: int | None = None, values: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
     """Build the loop computing ``region`` in chunks of ``chunk``; returns the combined outputs.
 
     Must be called with the region's graph as default.  ``partial_specs`` are the shapes and dtypes
@@ -436,14 +440,19 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     passes each slice a fixed share of its upstream gradient (:func:`fusable`); the loop then
     computes each slice's gradients as it computes the slice (:func:`_fused_forward`), and the
     backward only scales them: one pass over the slices instead of two.
+
+    ``values``: what the loop reads, standing for the region's external inputs (:func:`external_inputs`,
+    in order); by default those tensors themselves.  A loop built inside another's slice reads that
+    slice's tensors (:mod:`.nested_loop`).
     """
     backward_chunk = backward_chunk or chunk
     external, forward = forward_program(region, chunk, combiner, partial_specs)
     build = _slice_builder(region, external)
+    values = list(external if values is None else values)
 
     floating, axes, read_whole = _roles(region, external)
     if not differentiable or not any(floating):
-        return forward(*external)
+        return forward(*values)
 
     if fused is not None:
         @tf.custom_gradient
@@ -460,7 +469,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
 
             return outputs, grad
 
-        return list(fused_region(*external))
+        return list(fused_region(*values))
 
     @tf.custom_gradient
     def split_region(*values):
@@ -476,7 +485,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
 
         return outputs, grad
 
-    return list(split_region(*external))
+    return list(split_region(*values))
 
 
 def _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner, chunk, floating,

@@ -28,7 +28,7 @@ from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
 from grappler_ext.splitter.tuning import Tuning
 
 __all__ = ["Beside", "Planned", "Sized", "plan", "rank", "leaves", "reaches_on", "calibrated", "capped",
-           "split_anyway", "at_least", "starved", "fused_grown"]
+           "split_anyway", "at_least", "starved", "fused_grown", "nested_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +346,27 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
         # XLA's figure says the region fits whole, while the program does not.
         new = split_anyway(new, again.per_unit)
     return Sized(new, again.per_unit, Sizing.LOOP_FIGURE, bytes_per_row=per_row)
+
+
+def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
+                loop_figure: Callable[[int], int]) -> Planned | Why:
+    """The plan of a loop whose attention is computed over key blocks in each slice
+    (:mod:`.nested_loop`), its bytes a row from XLA's figures for the loop alone at two chunks
+    (``loop_figure``): the memory model counts a slice's scores over every key, which the slice
+    never holds."""
+    length = grown.region.length
+    first = max(1, length // 16)
+    second = 2 * first
+    if second > length // 2:
+        return Why(Code.NO_PLAN, "too short to size by two chunks")
+    try:
+        low, high = (loop_figure(c) for c in (first, second))
+    except Exception as e:  # noqa: BLE001 - the plan without nesting stands
+        return Why(Code.BUILD_FAILED, f"measuring the loop failed: {type(e).__name__}")
+    per_row = (high - low) / (second - first)
+    if per_row <= 0:
+        return Why(Code.NO_PLAN, "XLA's figure does not grow with the chunk")
+    return plan(options, grown, beside, budget, tuning, measured=per_row)
 
 
 def _fitted(length: int, k: int, measured: tuple[int, int], per_row: float, rest: int, limit: int, tuning: Tuning,
