@@ -22,15 +22,17 @@ from grappler_ext.splitter.analysis import Grown
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import build_split, external_inputs
 from grappler_ext.splitter.nesting import Nest
+from grappler_ext.splitter.outcome import NestedKeys
 
-__all__ = ["nested", "key_chunk"]
+__all__ = ["nested", "key_chunk", "record"]
 
 MIN_KEY_CHUNK = 64       # keys of a block at least (smaller ones cost more in loop steps than they save)
 
 
 def key_chunk(keys: int) -> int:
-    """The inner loop's block of keys (pure): the largest divisor of ``keys`` at most an eighth of them
-    and at least :data:`MIN_KEY_CHUNK` (no remainder block), else an eighth of them."""
+    """The inner loop's block of keys (pure): the largest divisor of ``keys`` from :data:`MIN_KEY_CHUNK`
+    to an eighth of them (no remainder block); else :data:`MIN_KEY_CHUNK` keys, or half of them if
+    that is fewer."""
     want = max(MIN_KEY_CHUNK, keys // 8)
     divisors = [d for d in range(MIN_KEY_CHUNK, min(want, keys) + 1) if keys % d == 0]
     return divisors[-1] if divisors else max(1, min(want, keys // 2))
@@ -90,3 +92,8 @@ def nested(grown: Grown, nest: Nest, chunk_of_keys: int) -> Grown:
     region = dataclasses.replace(outer, ops=ops, input_axes=input_axes, rebuild=rebuild, whole_inputs=whole,
                                  prologue=prologue, inputs_of={**outer.inputs_of, root: reads}, relaid=None)
     return Grown(region, grown.included, grown.stops)
+
+
+def record(nest: Nest) -> NestedKeys:
+    """What a loop's record says of its attention computed by key blocks (:func:`nested`'s blocks)."""
+    return NestedKeys(nest.option.root.name, key_chunk(nest.keys), nest.keys, len(nest.moved))

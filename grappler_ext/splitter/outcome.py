@@ -10,7 +10,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "Growth"]
+__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "NestedKeys",
+           "Growth", "CannotFit", "megabytes", "loops"]
+
+
+def loops(n: int) -> str:
+    """"1 loop", "3 loops"."""
+    return f"{n} loop{'s' if n > 1 else ''}"
+
+
+def megabytes(n: int | None) -> str:
+    """``n`` bytes for a person: "12.3 MB" (``None``: "an unknown amount")."""
+    return "an unknown amount" if n is None else f"{n / 1e6:,.1f} MB"
 
 
 class Code(str, enum.Enum):
@@ -141,6 +152,24 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class NestedKeys:
+    """An attention computed in each slice by a loop of its own over blocks of its keys, its keys and
+    values projected there (:mod:`.nesting`): its root, the block and the keys, and how many ops
+    the loop no longer computes whole before it."""
+
+    root: str
+    key_block: int
+    keys: int
+    moved: int
+
+    def render(self) -> str:
+        blocks = f"{self.keys // self.key_block} x {self.key_block}" + (
+            f" + {self.keys % self.key_block}" if self.keys % self.key_block else "")
+        return (f"`{self.root}` computed in each slice over its keys in blocks ({blocks} of {self.keys}), its keys and "
+                f"values projected there ({self.moved} ops no longer computed whole before the loop)")
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopPlan:
     """A loop the splitter built: its roots, the split axis' length and the forward's and the
     gradient loop's chunks, what sized them, and what else it does.
@@ -167,6 +196,7 @@ class LoopPlan:
       written_into: the variables whose new values the loop writes, slice by slice, into their own
         buffers (a wide layer's update along its kernel's columns).
       tiles: an attention's loop in 2-D tiles, its masked tiles skipped (:class:`Tiles`).
+      nested: an attention computed in each slice by a loop over its keys (:class:`NestedKeys`).
     """
 
     roots: tuple[RootSplit, ...]
@@ -186,6 +216,7 @@ class LoopPlan:
     fused: bool = False
     written_into: tuple[str, ...] = ()
     tiles: Tiles | None = None
+    nested: NestedKeys | None = None
 
     @property
     def steps(self) -> int:
@@ -232,6 +263,8 @@ class LoopPlan:
             text += f"; the new value{s} of {shown} written into the variable{s} slice by slice"
         if self.tiles is not None:
             text += f"; {self.tiles.render()}"
+        if self.nested is not None:
+            text += f"; {self.nested.render()}"
         if self.rebuilt_gradients:
             n = self.rebuilt_gradients
             text += f"; {n} gradient{'s' if n > 1 else ''} inside the function rebuilt"
@@ -273,3 +306,33 @@ class Growth:
     room_bytes: int
     figure_before: int
     figure_after: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CannotFit:
+    """The one warning of a run whose limit cannot be met: the program, what it needs (``needed``
+    bytes, ``by``: "about" or "at least" by the model's count, or "XLA" by its figure as written), as split
+    (the model's count and XLA's figure, where known), the limit planned against (``limit``, the
+    user's ``wanted`` where it was scaled) and what the splitter said of the record that could not
+    be helped (``what``)."""
+
+    program: str
+    needed: int | None
+    by: str
+    after: int | None
+    figure: int | None
+    limit: int
+    wanted: int
+    what: str
+
+    def render(self) -> str:
+        mb = megabytes
+        xla = f"{mb(self.figure)} by XLA's figure" if self.figure is not None else ""
+        then = (f" ({mb(self.after)} as split{', ' + xla if xla else ''})" if self.after is not None
+                else f" ({xla} as split)" if xla else "")
+        scaled = ("" if self.limit == self.wanted else
+                  f" (the limit of {mb(self.wanted)} scaled to the model's count by XLA's figure)")
+        need = (f"needs {mb(self.needed)} by XLA's figure as written" if self.by == "XLA"
+                else f"needs {self.by} {mb(self.needed)} by the memory model")
+        return (f"`{self.program}` {need}{then}, over its limit of {mb(self.limit)}{scaled}, and {self.what}. It "
+                "will run as well as it can; raise memory_limit, or rewrite that op's input in smaller pieces.")

@@ -348,25 +348,27 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     return Sized(new, again.per_unit, Sizing.LOOP_FIGURE, bytes_per_row=per_row)
 
 
-def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
-                loop_figure: Callable[[int], int]) -> Planned | Why:
+def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning, unnested: Planned,
+                loop_figure: Callable[[int], int]) -> Planned | None:
     """The plan of a loop whose attention is computed over key blocks in each slice
     (:mod:`.nested_loop`), its bytes a row from XLA's figures for the loop alone at two chunks
-    (``loop_figure``): the memory model counts a slice's scores over every key, which the slice
-    never holds."""
+    (``loop_figure``: the memory model counts a slice's scores over every key, which the slice then
+    never holds), if it is better than the plan without (``unnested``, a best effort): within the
+    limit, or needing less; else ``None``."""
     length = grown.region.length
     first = max(1, length // 16)
-    second = 2 * first
-    if second > length // 2:
-        return Why(Code.NO_PLAN, "too short to size by two chunks")
+    if 2 * first > length // 2:
+        return None
     try:
-        low, high = (loop_figure(c) for c in (first, second))
-    except Exception as e:  # noqa: BLE001 - the plan without nesting stands
-        return Why(Code.BUILD_FAILED, f"measuring the loop failed: {type(e).__name__}")
-    per_row = (high - low) / (second - first)
-    if per_row <= 0:
-        return Why(Code.NO_PLAN, "XLA's figure does not grow with the chunk")
-    return plan(options, grown, beside, budget, tuning, measured=per_row)
+        low, high = (loop_figure(c) for c in (first, 2 * first))
+    except Exception:  # noqa: BLE001 - the plan without nesting stands
+        return None
+    per_row = (high - low) / first
+    planned = plan(options, grown, beside, budget, tuning, measured=per_row) if per_row > 0 else None
+    if not isinstance(planned, Planned) or (planned.best_effort is not None and planned.chunks.predicted_bytes
+                                            >= unnested.chunks.predicted_bytes):
+        return None
+    return planned
 
 
 def _fitted(length: int, k: int, measured: tuple[int, int], per_row: float, rest: int, limit: int, tuning: Tuning,

@@ -1,0 +1,242 @@
+"""The splitter's search around one large tensor: the candidate regions, ranked, and the best one built.
+
+For each large tensor the driver (:mod:`.driver`) hands over, :class:`RegionSearch` grows the
+regions of the roots downstream of it (:mod:`.analysis`), plans and ranks them (:mod:`.policy`), may
+widen the best to where its axis ends or compute its attention by key blocks in each slice
+(:mod:`.nesting`), sizes its chunk by XLA's figure for the loop (through the run's measurer) and
+builds and installs the loop (:mod:`.mechanism`), recording the plan.  It holds one plan's state
+(the run, the memory model's figures, the budget) and reads and writes the run's bookkeeping
+(the loops' bytes, the starved gradient loops).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from grappler_ext import graph_edit
+from grappler_ext.op_types import nbytes
+from grappler_ext.splitter import analysis, mechanism, nested_loop, nesting, policy, rules, sharding
+from grappler_ext.splitter.chunk_plan import ChunkPlan
+from grappler_ext.splitter.outcome import Code, LoopPlan, Sizing, Why
+
+__all__ = ["RegionSearch", "Candidate"]
+
+
+class RegionSearch:
+    """One plan's search and build of a loop around each large tensor (the state of the driver's
+    ``_Run._split_large``; ``run``: the driver's run, its graph, options, measurer and bookkeeping)."""
+
+    def __init__(self, run, est, info, step_of, order_index, backward, budget, result):
+        self.run, self.tuning, self.est, self.info, self.step_of = run, run.tuning, est, info, step_of
+        self.order_index, self.backward, self.budget, self.result = order_index, backward, budget, result
+        self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
+        self.reseed = rules.Reseed() if run.options.redraw_random else None
+
+    def beside(self, tensor) -> policy.Beside:
+        return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
+                             self.run.grow_room.get(tensor.name, (0, 0)))
+
+    def split_around(self, tensor) -> set | None:
+        """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
+        run, t, info, reasons, beside = self.run, self.tuning, self.info, [], self.beside(tensor)
+        near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
+        candidates = [[option] for root in near for option in analysis.root_options(root, self.backward)]
+        candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
+        best = self.best_root(candidates, tensor, beside, reasons)
+        if best is None or best.planned.best_effort is not None or not best.planned.chunks.splits:
+            # No root nearby meets the limit: the region that does may end farther down (SGPR's
+            # predictive density reads the test points' kernel matrix 14 ops later).  Only roots
+            # whose joined result could be planned at all (see policy.plan): the wider search
+            # reaches hundreds of ops in a Transformer's training step.
+            seen = set(near)
+            far = [[option] for root in analysis.downstream(tensor.op, self.order_index, t.root_depth_wide)
+                   if root not in seen for option in analysis.root_options(root, self.backward)
+                   if analysis.joined_bytes([option]) <= self.budget / 2]
+            wider = self.best_root(far, tensor, beside, reasons)
+            if wider is not None and (best is None or wider.key < best.key):
+                best = wider
+        if best is not None and best.planned.chunks.splits:
+            best = self.reaching_on(best, tensor, beside, reasons)
+        size = info[tensor.name].bytes
+        if best is None:
+            why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
+                   else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
+            self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
+                             bytes_before=size, code=why.code)
+            return None
+        options, grown, planned = best.options, best.grown, best.planned
+        chunks, backward_chunk, per_unit = planned.chunks, planned.backward_chunk, planned.per_unit
+        if not chunks.splits:
+            # The planner's count says the region fits whole, while the program's estimate does not:
+            # say so (the run's warning then names it) rather than leave it silently.
+            self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B) usefully: its region fits "
+                                          f"the limit whole by the planner's count ({chunks.predicted_bytes:,} B)",
+                             bytes_before=size, code=Code.FITS_WHOLE)
+            return None
+        sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
+        fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
+                                                      backward_chunk)
+        # (a recomputation's two steps stay; a fused loop's chunk is the gradient's, grown by its own figure)
+        if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fusable:
+            sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
+                                      lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
+                                      large_joins=run.relaxed, model_per_unit=per_unit)
+            if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
+                chunks, per_unit = sized.chunks, sized.per_unit
+                backward_chunk = min(backward_chunk, chunks.chunk)
+        if self.backward:
+            # The program holds its forward activations for the gradients, and XLA's layout copies of
+            # them, beyond the model's count: a slice takes at most a share of the budget.
+            chunks = policy.capped(chunks, per_unit, self.budget, t)
+            backward_chunk = min(backward_chunk, chunks.chunk)
+        draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
+        fused = chunks.chunk if fusable else None                       # the forward's chunk
+        if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
+            backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
+                lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True)) or backward_chunk
+        if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
+            # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
+            chunks = ChunkPlan(chunks.length, backward_chunk,
+                               int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
+        if grown.region.written_into:                    # no remainder slice (see policy.without_tail)
+            chunks = policy.without_tail(chunks, per_unit)
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused)
+
+    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None) -> set | None:
+        """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
+        (``fused``: the forward's own chunk, where the loop computes the gradients as it goes)."""
+        run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
+        roots = [o.root for o in options]
+        existing = set(graph.get_operations())
+        if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
+            grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, per_unit)
+        try:
+            with graph_edit.building(graph, run.name):
+                if draws:
+                    # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
+                    self.reseed.tensor = mechanism.call_seed()
+                tiled = mechanism.tiles(options, grown.region, chunks, backward_chunk, fused is not None)
+                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused is not None, tiled)
+        except (ValueError, TypeError, KeyError, NotImplementedError) as e:
+            self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
+                             code=Code.BUILD_FAILED)
+            return None
+        mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
+        forward_loops = mechanism.new_loops(graph, existing)
+        try:
+            rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
+        finally:
+            # The call's seed is this loop's (its gradient keyed on it too): a later region's loop,
+            # compiled alone to size it, draws with a fixed key instead (see rules.Reseed).
+            if self.reseed is not None:
+                self.reseed.tensor = None
+        # What each loop's body holds, for the memory model's view of the program as rewritten.
+        joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
+        room = run.grow_room.get(tensor.name, (0, 0))
+        for op in forward_loops:     # a fused loop: a slice and its gradient, and the inputs' gradients
+            run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined if fused is None else int(max(
+                room[1] * best.planned.backward_unit, chunks.chunk * best.planned.backward_unit - room[0])) + sum(
+                nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
+        backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
+        for op in backward_loops:
+            # Grown into room the model did not see: counted as the rest less that room.
+            run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
+                                              backward_chunk * best.planned.backward_unit - room[0]))
+        gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
+            fused is not None and backward_chunk < fused)
+        if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning, fused):
+            run.starved[tensor.name] = backward_chunk
+        if sized.sizing == Sizing.PROGRAM_FIGURE:
+            run.program_sized += 1
+        plan = LoopPlan(tuple(o.split for o in options), chunks.length, chunks.chunk, backward_chunk,
+                        chunks.predicted_bytes, has_gradient_loop=gradient_loop, sizing=sized.sizing,
+                        sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
+                        loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
+                        rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
+                        dynamic=grown.region.dynamic, fused=fused is not None, tiles=tiled and tiled[0].count(tiled[1]),
+                        written_into=mechanism.written_variables(graph, grown.region),
+                        nested=best.nest and nested_loop.record(best.nest))
+        self.result.rewrote(roots + grown.region.ops, plan.render(),
+                            bytes_before=analysis.materialised_bytes(grown.included, self.info),
+                            bytes_after=chunks.predicted_bytes,
+                            code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
+        return grown.included | set(grown.region.prologue)
+
+    def nestable(self, grown, planned) -> nesting.Nest | None:
+        """The attention of a best effort's region that can be computed over key blocks in each slice
+        (:mod:`.nesting`: nothing measured yet), where the program has no gradients inside."""
+        if self.backward or self.run.calibrator is None or planned.best_effort is None:
+            return None
+        nest = nesting.attention_within(grown, self.graph_outputs, self.order_index)
+        return None if isinstance(nest, Why) else nest
+
+    def nested(self, candidate: Candidate, best: Candidate, beside: policy.Beside) -> Candidate | None:
+        """``candidate`` with its attention computed over key blocks in each slice (:attr:`Candidate.nest`),
+        sized by XLA's figure for its loop, if that plan is better than ``best`` (a best effort); else ``None``."""
+        options, nest = candidate.options, candidate.nest
+        grown = nested_loop.nested(candidate.grown, nest, nested_loop.key_chunk(nest.keys))
+        planned = policy.nested_plan(options, grown, beside, self.budget, self.tuning, best.planned, lambda c: (
+            mechanism.loop_figure(self.run.calibrator, options, grown.region, c)))
+        return None if planned is None else candidate._replace(grown=grown, planned=planned)
+
+    def reaching_on(self, best: Candidate, tensor, beside: policy.Beside, reasons: list[Why]) -> Candidate:
+        """``best``, or the region reaching on from its joined results along the same axis to where
+        that axis ends (one loop per encoder layer: :func:`.analysis.reaching_on`), if it takes in
+        every op ``best`` does and is the better plan (:func:`.policy.reaches_on`)."""
+        further = analysis.reaching_on(best.options, self.order_index, self.graph_outputs, self.backward)
+        wider = self.best_root(further, tensor, beside, reasons) if further else None
+        if (wider is None or not best.grown.included <= wider.grown.included
+                or not policy.reaches_on(best.planned, wider.planned, self.tuning, policy.leaves(best.grown, beside))):
+            return best
+        return wider
+
+    def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> Candidate | None:
+        """The best plan among ``candidates`` (lists of root options split together) whose region
+        takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
+        t, best, nestable = self.tuning, None, None
+        for options in candidates:
+            # (a region computing a weight's update takes in the gradients it reads)
+            ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
+            grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed,
+                                  sharding.pinned_axes(self.run.graph, self.run.options))
+            if isinstance(grown, Why):
+                reasons.append(grown)
+                continue
+            if tensor.op not in grown.included:
+                if grown.stops:
+                    reasons.append(grown.stops[0])
+                continue
+            grown.region.written_into = analysis.written_into(options, grown, self.order_index)
+            grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, ignored,
+                                                      t.slice_share * self.budget, t.prologue_share,
+                                                      t.prologue_ops, t.prologue_min_bytes)
+            # (the gradients a weight's update reads are in its region: no backward is left to plan)
+            planned = policy.plan(options, grown, beside if ignored else dataclasses.replace(beside, backward=ignored),
+                                  self.budget, t, large_joins=self.run.relaxed)
+            if isinstance(planned, Why):
+                reasons.append(planned)
+                continue
+            held = analysis.held_for_backward(grown, self.info, self.backward,
+                                              {o.root for o in options if o.kind == "concat"})
+            remat = policy.remat_worthwhile(planned.chunks, held, self.budget, t)
+            if remat:
+                # The region fits whole, but the gradients inside the function hold its tensors from
+                # the forward to the backward: a loop recomputes them there instead.
+                chunks = policy.split_anyway(planned.chunks, planned.per_unit)
+                planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
+                                         planned.backward_unit, planned.best_effort)
+            key = policy.rank(planned, options, held, self.budget, t, grown.region,
+                              mechanism.computed_share(options, grown.region, planned, self.backward))
+            if best is None or key < best.key:
+                best = Candidate(key, options, grown, planned, remat)
+            if (nestable is None or key < nestable.key) and (nest := self.nestable(grown, planned)) is not None:
+                nestable = Candidate(key, options, grown, planned, remat, nest)
+        # Measured for the best-ranked region whose attention can be nested, only where nothing fits.
+        nested = best and nestable and best.planned.best_effort is not None and self.nested(nestable, best, beside)
+        return nested or best
+
+
+# A root's plan, as RegionSearch.best_root ranks them (the smallest ``key`` is best); ``nest``: its
+# attention computed over key blocks in each slice (:mod:`.nesting`), or ``None``.
+Candidate = collections.namedtuple("Candidate", "key options grown planned remat nest", defaults=(None,))
