@@ -421,11 +421,11 @@ class _Run:
         for tensor in tensors:
             if tensor.op in done or tensor.op not in order_index:
                 continue
-            outcome = region.split_around(tensor)
-            if outcome is None:
+            removed = region.split_around(tensor)
+            if removed is None:
                 self.hoped.discard(tensor.name)
                 continue
-            done |= outcome
+            done |= removed
             analysis.forget_dead(order_index, graph)
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
             after, bound = analysis.needed_now(graph, planned, self.loop_bytes)

@@ -11,7 +11,8 @@ the fused batch norm along its channels.
 What is checked, at L = 512, D = 64 (naive: 19 to 54 MB):
 - the forward is one loop along the sequence through the whole layer (from the attention's queries
   to the second layer norm's output), not one per op group; within a quarter of the naive footprint
-  by XLA's figure; equal to the unsplit layer;
+  by XLA's figure; equal to the unsplit layer; at L = 1024 within a sixteenth (tf_keras: its
+  attention computed over key blocks in each slice);
 - a training step with the tape inside (mean squared output, the gradients of every weight) is
   within a limit of an eighth of its naive footprint, loss and gradients equal to the unsplit step's;
   with dropout (``redraw_random``), within that same limit;
@@ -40,11 +41,11 @@ pytestmark = pytest.mark.slow
 B, L, D, HEADS = BATCH, 512, D_MODEL, 4
 
 
-def _encoder(keras, dropout: float = 0.0):
-    """The layer (``experiments.encoder_layer``'s, built on ``x``) and ``x`` [B, L, D]."""
+def _encoder(keras, dropout: float = 0.0, length: int = L):
+    """The layer (``experiments.encoder_layer``'s, built on ``x``) and ``x`` [B, length, D]."""
     keras.utils.set_random_seed(0)
     layer = encoder_layer(keras, dropout)
-    x = tf.constant(np.random.default_rng(0).standard_normal((B, L, D)).astype(np.float32))
+    x = tf.constant(np.random.default_rng(0).standard_normal((B, length, D)).astype(np.float32))
     layer(x)
     return layer, x
 
@@ -80,6 +81,25 @@ def test_the_forward_is_one_loop_along_the_sequence(version):
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
     assert len(loops) == 1 and loops[0].length == L, [r.reason for r in records]
     assert after <= naive / 4, (after, naive)
+
+
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+def test_the_forward_at_twice_the_length_within_a_sixteenth(version):
+    """At L = 1024 a sixteenth of tf_keras' forward (4.5 MB) is less than its input, output, keys and
+    values (1 MiB each): each slice computes its attention over blocks of the keys, projected there
+    (it was 5.4 MB, a best effort).  Keras 3's forward as written is twice tf_keras' (its mask
+    arithmetic): a sixteenth of it fits without."""
+    layer, x = _encoder(keras_of(version), length=1024)
+
+    def forward(x):
+        return layer(x)
+
+    naive = tf_memsafe.memory_footprint(forward, x, rewrite=False)
+    after, records = _run(forward, x, naive // 16)
+    loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
+    assert len(loops) == 1 and loops[0].best_effort is None, [r.reason for r in records]
+    assert (loops[0].nested is not None) == (version == "tf_keras"), loops[0].render()
+    assert after <= naive // 16, (after, naive)
 
 
 @pytest.mark.parametrize("version", ["keras3", "tf_keras"])
