@@ -32,6 +32,7 @@ class RegionSearch:
         self.order_index, self.backward, self.budget, self.result = order_index, backward, budget, result
         self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
         self.reseed = rules.Reseed() if run.options.redraw_random else None
+        self.nestable: Candidate | None = None     # the best-ranked best effort whose attention can be nested
 
     def beside(self, tensor) -> policy.Beside:
         return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
@@ -40,6 +41,7 @@ class RegionSearch:
     def split_around(self, tensor) -> set | None:
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
         run, t, info, reasons, beside = self.run, self.tuning, self.info, [], self.beside(tensor)
+        self.nestable = None
         near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
         candidates = [[option] for root in near for option in analysis.root_options(root, self.backward)]
         candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
@@ -58,6 +60,10 @@ class RegionSearch:
                 best = wider
         if best is not None and best.planned.chunks.splits:
             best = self.reaching_on(best, tensor, beside, reasons)
+        if best is not None and best.planned.best_effort is not None and self.nestable is not None:
+            # Measured once, where nothing fits: the best region nested if it can be, else the best-ranked one that can.
+            own = self.nest_in(best.grown, best.planned)
+            best = self.nested(best._replace(nest=own) if own else self.nestable, best, beside) or best
         size = info[tensor.name].bytes
         if best is None:
             why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
@@ -163,7 +169,7 @@ class RegionSearch:
                             code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
         return grown.included | set(grown.region.prologue)
 
-    def nestable(self, grown, planned) -> nesting.Nest | None:
+    def nest_in(self, grown, planned) -> nesting.Nest | None:
         """The attention of a best effort's region that can be computed over key blocks in each slice
         (:mod:`.nesting`: nothing measured yet), where the program has no gradients inside."""
         if self.backward or self.run.calibrator is None or planned.best_effort is None:
@@ -194,7 +200,7 @@ class RegionSearch:
     def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> Candidate | None:
         """The best plan among ``candidates`` (lists of root options split together) whose region
         takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
-        t, best, nestable = self.tuning, None, None
+        t, best = self.tuning, None
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
             ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
@@ -230,11 +236,9 @@ class RegionSearch:
                               mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
                 best = Candidate(key, options, grown, planned, remat)
-            if (nestable is None or key < nestable.key) and (nest := self.nestable(grown, planned)) is not None:
-                nestable = Candidate(key, options, grown, planned, remat, nest)
-        # Measured for the best-ranked region whose attention can be nested, only where nothing fits.
-        nested = best and nestable and best.planned.best_effort is not None and self.nested(nestable, best, beside)
-        return nested or best
+            if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
+                self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
+        return best
 
 
 # A root's plan, as RegionSearch.best_root ranks them (the smallest ``key`` is best); ``nest``: its
