@@ -54,8 +54,8 @@ from tensorflow.compiler.tf2xla.python import xla
 from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
 __all__ = ["RunSpec", "dims_of", "value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat",
-           "InPlace", "write_slice", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group",
-           "combiner_for_reduction",
+           "InPlace", "write_slice", "with_rows", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK",
+           "Group", "combiner_for_reduction",
            "REDUCTION_COMBINERS"]
 
 
@@ -226,6 +226,17 @@ class InPlace(Concat):
 
     def at_length(self, length, chunk=None):
         raise ValueError("a result written in place needs a static length")
+
+
+def with_rows(specs, rows: int, axis: int) -> list[tf.TensorSpec]:
+    """``specs`` with ``rows`` along ``axis``: the partials of a block of rows (a tile's query block, an
+    attention's rows in one slice of a loop over them)."""
+    out = []
+    for s in specs:
+        shape = s.shape.as_list()
+        shape[axis] = rows
+        out.append(tf.TensorSpec(shape, s.dtype))
+    return out
 
 
 def write_slice(buffer: tf.Tensor, piece: tf.Tensor, axis: int, offset) -> tf.Tensor:

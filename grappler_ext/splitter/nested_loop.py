@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import tensorflow as tf
-
 from grappler_ext.splitter import mechanism
 from grappler_ext.splitter.analysis import Grown
 from grappler_ext.splitter.chunk_plan import ChunkPlan
+from grappler_ext.splitter.combiners import with_rows
 from grappler_ext.splitter.loop import build_split, external_inputs
 from grappler_ext.splitter.nesting import Nest
 from grappler_ext.splitter.outcome import NestedKeys
@@ -38,15 +37,6 @@ def key_chunk(keys: int) -> int:
     return divisors[-1] if divisors else max(1, min(want, keys // 2))
 
 
-def _slice_specs(specs, axis: int, rows: int) -> list[tf.TensorSpec]:
-    out = []
-    for s in specs:
-        shape = s.shape.as_list()
-        shape[axis] = rows
-        out.append(tf.TensorSpec(shape, s.dtype))
-    return out
-
-
 def _attention_in_blocks(nest: Nest, chunk_of_keys: int, rows_axis: int):
     """The outer slice's rebuild of the attention's root: its key region's loop, in blocks of
     ``chunk_of_keys``, on the slice's tensors (``chunk`` query rows along ``rows_axis`` of its output)."""
@@ -56,7 +46,7 @@ def _attention_in_blocks(nest: Nest, chunk_of_keys: int, rows_axis: int):
 
     def rebuild(op, inputs, chunk, offset):
         combiner, specs, differentiable, _ = mechanism.combined([option], region, plan)
-        got = build_split(region, chunk_of_keys, combiner, _slice_specs(specs, rows_axis, chunk),
+        got = build_split(region, chunk_of_keys, combiner, with_rows(specs, chunk, rows_axis),
                           differentiable=differentiable, values=inputs)
         return got[:outputs]
 

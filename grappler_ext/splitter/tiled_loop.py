@@ -33,7 +33,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext import folding
-from grappler_ext.splitter.combiners import Combiner, write_slice
+from grappler_ext.splitter.combiners import Combiner, with_rows, write_slice
 from grappler_ext.splitter.loop import (
     Region,
     _carried_through_prologue,
@@ -140,19 +140,10 @@ def _schedule_tensors(tiles: TilePlan):
             tf.constant([a for a, _ in tiles.spans], tf.int32), tf.constant([b for _, b in tiles.spans], tf.int32))
 
 
-def _row_specs(partial_specs, rows: int, axis: int):
-    out = []
-    for s in partial_specs:
-        shape = s.shape.as_list()
-        shape[axis] = rows
-        out.append(tf.TensorSpec(shape, s.dtype))
-    return out
-
-
 def _forward(region, op_inputs, tiles: TilePlan, external, values, derived, combiner: Combiner, partial_specs):
     starts, _, firsts, stops = _schedule_tensors(tiles)
     qc, kc, nk = tiles.query_block, tiles.key_block, tiles.key_blocks
-    block_specs = _row_specs(partial_specs, qc, tiles.rows_axis)
+    block_specs = with_rows(partial_specs, qc, tiles.rows_axis)
     inputs = list(values) + list(derived.values())
 
     def block(i, *outputs):
@@ -305,7 +296,7 @@ def check(region: Region, tiles: TilePlan, combiner: Combiner, partial_specs) ->
             cut = _Block(region, tiles, external, values + list(derived.values()), derived, tiles.starts[-1],
                          region_inputs(region))
             partials, _ = cut.build(cut.whole, cut.sources, 0, tiles.key_block)
-            want = _row_specs(partial_specs, tiles.query_block, tiles.rows_axis)
+            want = with_rows(partial_specs, tiles.query_block, tiles.rows_axis)
             if [p.shape.as_list() for p in partials] != [s.shape.as_list() for s in want]:
                 return (f"a tile's partials are {[p.shape.as_list() for p in partials]}, not "
                         f"{[s.shape.as_list() for s in want]}")
