@@ -4,7 +4,7 @@ Given a grown region and a :class:`~.nesting.Nest` in it, :func:`nested` returns
 outer loop then computes it: the attention's key region taken out of its ops and its prologue, and
 the attention's root rebuilt, in each slice, as that region's own loop (:func:`.loop.build_split`
 on the slice's tensors: the query rows' projections of the slice, the input and the weights whole)
-in key blocks of :attr:`NestPlan.key_chunk`.  The inner loop's combiner is the online softmax's
+in blocks of :func:`key_chunk` keys.  The inner loop's combiner is the online softmax's
 (:class:`~.combiners.OnlineSoftmax`), its partials shaped as the slice's rows; its gradient is its
 own (the inner loop's backward over the key blocks), which the outer loop's gradient differentiates
 through like any op of a slice.  Exact: the same ops on the same values, combined as the unsplit
@@ -74,9 +74,7 @@ def nested(grown: Grown, nest: Nest, chunk_of_keys: int) -> Grown:
     moved_out = {o.ref() for op in nest.moved for o in op.outputs}
     whole = {ref for ref in outer.whole_inputs if ref not in moved_out} | {
         t.ref() for t in reads if t.ref() not in produced}
-    prop = getattr(outer.rebuild[root], "__self__", None)
-    if prop is None or prop.output_axes[0] is None:
-        raise ValueError(f"`{root.name}` has no rows along the loop's axis")
+    prop = outer.rebuild[root].__self__              # (nesting.attention_within: it has its rows' axis)
     input_axes = {**outer.input_axes, root: tuple(outer_axis(t) if t.ref() in produced else None for t in reads)}
     rebuild = {**outer.rebuild, root: _attention_in_blocks(nest, chunk_of_keys, prop.output_axes[0])}
     region = dataclasses.replace(outer, ops=ops, input_axes=input_axes, rebuild=rebuild, whole_inputs=whole,

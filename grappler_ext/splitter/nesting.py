@@ -77,6 +77,9 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
     produced = {o.ref() for op in outer.ops for o in op.outputs}
     best: Nest | Why = Why(Code.NO_PLAN, "no attention in the loop reads its keys from the loop's prologue")
     for op in outer.ops:
+        prop = getattr(outer.rebuild[op], "__self__", None)
+        if prop is None or prop.output_axes[0] is None:
+            continue                 # (its slice's rows: the axis the inner loop's partials hold them along)
         for option in analysis.root_options(op, ignored, through=True):
             if option.kind != "online_softmax":
                 continue
