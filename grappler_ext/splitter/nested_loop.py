@@ -71,14 +71,17 @@ def nested(grown: Grown, nest: Nest, chunk_of_keys: int) -> Grown:
         prop = getattr(outer.rebuild[op], "__self__", None)
         return prop.output_axes[k] if prop is not None and prop.output_axes[k] is not None else 0
 
-    moved_out = {o.ref() for op in nest.moved for o in op.outputs}
-    whole = {ref for ref in outer.whole_inputs if ref not in moved_out} | {
+    # (what the key region's ops computed, the loop read through them alone: its loop computes them now)
+    theirs = {o.ref() for op in inner.included for o in op.outputs}
+    whole = {ref for ref in outer.whole_inputs if ref not in theirs} | {
         t.ref() for t in reads if t.ref() not in produced}
+    sliced = {ref: axis for ref, axis in outer.sliced_inputs.items() if ref not in theirs}
     prop = outer.rebuild[root].__self__              # (nesting.attention_within: it has its rows' axis)
     input_axes = {**outer.input_axes, root: tuple(outer_axis(t) if t.ref() in produced else None for t in reads)}
     rebuild = {**outer.rebuild, root: _attention_in_blocks(nest, chunk_of_keys, prop.output_axes[0])}
     region = dataclasses.replace(outer, ops=ops, input_axes=input_axes, rebuild=rebuild, whole_inputs=whole,
-                                 prologue=prologue, inputs_of={**outer.inputs_of, root: reads}, relaid=None)
+                                 sliced_inputs=sliced, prologue=prologue, inputs_of={**outer.inputs_of, root: reads},
+                                 relaid=None)
     return Grown(region, grown.included, grown.stops)
 
 

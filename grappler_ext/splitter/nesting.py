@@ -14,9 +14,11 @@ keys and values, never all of them, at the cost of projecting them again for eve
 
 :func:`attention_within` finds such an attention in a grown region and its region along the keys
 (:func:`.analysis.grow` from its ``online_softmax`` option), or says why there is none.  The key
-region must lie within the outer region and its prologue, take some of the prologue in (else
-nothing whole is saved), read along the keys only what the outer loop reads whole (an input of
-the program, a variable), and have static sizes.  :mod:`.nested_loop` builds it.
+region must take some of the outer loop's prologue in (else nothing whole is saved), read along the
+keys nothing the outer loop computes by slice (an input of the program, a variable, a tensor
+computed before the loop), and have static sizes; its ops outside the loop and its prologue (a
+padding mask along the keys) are read by its own alone, and its loop computes them by key block.
+:mod:`.nested_loop` builds it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
         return Why(Code.NO_PLAN, "the loop has a run-time length or an in-place write")
     if not outer.prologue:
         return Why(Code.NO_PLAN, "the loop computes nothing whole before it: no keys to project by block")
-    within = set(outer.ops) | set(outer.prologue)
     prologue = set(outer.prologue)
     produced = {o.ref() for op in outer.ops for o in op.outputs}
     best: Nest | Why = Why(Code.NO_PLAN, "no attention in the loop reads its keys from the loop's prologue")
@@ -87,10 +88,13 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
             if isinstance(inner, Why):
                 best = best if isinstance(best, Nest) else inner
                 continue
-            why = _fits(option.root, inner, within, produced, outer.factors)
+            why = _fits(option.root, inner, produced, outer.factors)
             if why is not None:
                 best = best if isinstance(best, Nest) else why
                 continue
+            theirs = {o.ref() for p in inner.included for o in p.outputs}
+            if all(ref in theirs for ref in outer.sliced_inputs):
+                continue             # the loop would slice nothing but what the key region computes
             moved = frozenset(inner.included & prologue)
             if not moved:
                 continue
@@ -103,13 +107,12 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
     return best
 
 
-def _fits(root, inner: Grown, within: set, produced: set, factors: dict) -> Why | None:
+def _fits(root, inner: Grown, produced: set, factors: dict) -> Why | None:
     """Why ``inner`` (the key region of the attention ending at ``root``) cannot run inside each slice
-    of the outer loop (whose ops and prologue are ``within``, whose slices' tensors are ``produced``,
-    some of them at a reshape's ``factors``), or ``None``."""
-    if not inner.included <= within:
-        outside = sorted(op.name for op in inner.included - within)
-        return Why(Code.REGION_CONFLICT, f"the attention's key region reaches `{outside[0]}`, outside the loop")
+    of the outer loop (whose slices' tensors are ``produced``, some of them at a reshape's ``factors``),
+    or ``None``.  Its ops in neither the outer loop nor its prologue (a padding mask along the keys,
+    computed before the loop) are read by none but its own (:func:`.analysis.grow`): its loop computes
+    them by key block too."""
     if root in factors or any(t.op in factors for t in external_inputs(inner.region) if t.ref() in produced):
         return Why(Code.REGION_CONFLICT, "the attention's query rows lie in a reshape's factor")
     for ref in inner.region.sliced_inputs:
