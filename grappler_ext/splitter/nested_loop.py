@@ -71,8 +71,7 @@ def nested(grown: Grown, nest: Nest, chunk_of_keys: int) -> Grown:
         prop = getattr(outer.rebuild[op], "__self__", None)
         return prop.output_axes[k] if prop is not None and prop.output_axes[k] is not None else 0
 
-    # (what the key region's ops computed, the loop read through them alone: its loop computes them now)
-    theirs = {o.ref() for op in inner.included for o in op.outputs}
+    theirs = nest.computed
     whole = {ref for ref in outer.whole_inputs if ref not in theirs} | {
         t.ref() for t in reads if t.ref() not in produced}
     sliced = {ref: axis for ref, axis in outer.sliced_inputs.items() if ref not in theirs}

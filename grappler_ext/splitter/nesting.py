@@ -54,6 +54,12 @@ class Nest:
     def keys(self) -> int:
         return self.inner.region.length
 
+    @property
+    def computed(self) -> set:
+        """The tensors the key region computes (refs): read by its own ops alone, so its loop
+        computes them by key block and the outer loop reads none of them."""
+        return {o.ref() for op in self.inner.included for o in op.outputs}
+
 
 def _inner_grown(option, graph_outputs, order_index, ignored) -> Grown | Why:
     grown = analysis.grow([option], graph_outputs, order_index, ignored)
@@ -73,7 +79,7 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
     if outer.dynamic or outer.written_into or outer.scaled is not None:
         return Why(Code.NO_PLAN, "the loop has a run-time length or an in-place write")
     if not outer.prologue:
-        return Why(Code.NO_PLAN, "the loop computes nothing whole before it: no keys to project by block")
+        return Why(Code.NO_PROLOGUE, "the loop computes nothing whole before it: no keys to project by block")
     prologue = set(outer.prologue)
     produced = {o.ref() for op in outer.ops for o in op.outputs}
     best: Nest | Why = Why(Code.NO_PLAN, "no attention in the loop reads its keys from the loop's prologue")
@@ -92,9 +98,6 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
             if why is not None:
                 best = best if isinstance(best, Nest) else why
                 continue
-            theirs = {o.ref() for p in inner.included for o in p.outputs}
-            if all(ref in theirs for ref in outer.sliced_inputs):
-                continue             # the loop would slice nothing but what the key region computes
             moved = frozenset(inner.included & prologue)
             if not moved:
                 continue
@@ -102,8 +105,11 @@ def attention_within(grown: Grown, graph_outputs: set, order_index: dict,
             if any(t.op in moved for t in kept):
                 continue             # the rest of the prologue reads what would move
             saved = sum(nbytes(o) for p in moved for o in p.outputs if o.ref() in outer.whole_inputs)
+            nest = Nest(option, inner, moved, saved)
+            if all(ref in nest.computed for ref in outer.sliced_inputs):
+                continue             # the loop would slice nothing but what the key region computes
             if saved and (isinstance(best, Why) or saved > best.saved):
-                best = Nest(option, inner, moved, saved)
+                best = nest
     return best
 
 

@@ -60,6 +60,8 @@ class Code(str, enum.Enum):
     FITS_WHOLE = "fits_whole"                # the planner's count says its region fits whole
     BUILD_FAILED = "build_failed"            # building the loop raised (a combiner with no gradient rule on
                                              # floating outputs, ...): the graph is as it was
+    # An attention not computed by key blocks inside a loop over its rows (:mod:`.nesting`; not a record).
+    NO_PROLOGUE = "no_prologue"              # the loop computes nothing whole before it: nothing to project by block
     # Loops built.
     SPLIT = "split"                          # a loop within the limit by the plan
     BEST_EFFORT = "best_effort"              # a loop, but the limit cannot be met (warned)
