@@ -160,7 +160,9 @@ def _summary(traces: Sequence[TraceReport], explain: bool, modules: Sequence[tup
             detail = t.reason
         limit = f"limit {format_bytes(t.memory_limit_bytes)}" if t.memory_limit_bytes is not None else "-"
         row = [t.function_name, t.status, limit]
-        if modules is not None:
+        if modules is not None and t.retraced:
+            row.append("never compiled")          # (the trace after it is the one compiled)
+        elif modules is not None:
             before = f"model {format_bytes(t.model_before_bytes)}" if t.model_before_bytes is not None else "model ?"
             row.append(f"{before} -> {_measured(t, seen[t.function_name], programs)}")
             seen[t.function_name] += 1

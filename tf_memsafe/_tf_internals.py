@@ -20,6 +20,10 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   (``forward()`` returns the forward ``AtomicFunction``, after which ``_backward`` holds the backward
   ``ConcreteFunction``), and ``context.get_compiler_ir`` compiles a registered function by name
   from argument specs without running it;
+* a ``tf.function``'s first trace is made by ``PolymorphicFunction._initialize``, whose local
+  ``created_variables`` lists the variables that trace created; where it lists any, TensorFlow traces
+  the function again with variable creation disabled and runs only that trace (for ``jit_compile=True``
+  the fallback that would run the first one raises instead), so the first trace is never run;
 * a ``tf.function`` trace is made by ``tracing_compilation.trace_function(args, kwargs, ...)``, whose
   locals hold the call's arguments (DTensor inputs among them: :func:`call_arguments`);
 * ``backprop.GradientTape.gradient(self, target, sources, output_gradients, unconnected_gradients)``
@@ -49,6 +53,7 @@ SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
 XLA_MUST_COMPILE = "_XlaMustCompile"
 
 _TRACE_FRAME = "_create_concrete_function"  # tracing_compilation's function that calls transforms.
+_INITIALIZE_FRAME = "_initialize"           # PolymorphicFunction's first trace, which may create variables.
 
 
 def _tf_version() -> tuple[int, int]:
@@ -110,14 +115,18 @@ class TraceInfo:
       must_compile: the function has ``jit_compile=True``.
       in_xla_context: the graph or a parent is traced inside an XLA context (e.g. a plain
         ``tf.function`` called from a jit one).
+      discarded: the first trace of a ``jit_compile=True`` function that created variables in it:
+        TensorFlow traces the function again without creating them and never runs this trace.
     """
 
-    __slots__ = ("is_function_trace", "must_compile", "in_xla_context")
+    __slots__ = ("is_function_trace", "must_compile", "in_xla_context", "discarded")
 
-    def __init__(self, is_function_trace: bool, must_compile: bool, in_xla_context: bool):
+    def __init__(self, is_function_trace: bool, must_compile: bool, in_xla_context: bool,
+                 discarded: bool = False):
         self.is_function_trace = is_function_trace
         self.must_compile = must_compile
         self.in_xla_context = in_xla_context
+        self.discarded = discarded
 
     @property
     def xla_compiled(self) -> bool:
@@ -130,6 +139,7 @@ def trace_info(graph) -> TraceInfo:
 
     attributes = None
     is_function_trace = False
+    discarded = False
     frame = sys._getframe(1)
     # Only a few frames separate the transform from its caller; bound the walk anyway.
     for _ in range(12):
@@ -138,6 +148,7 @@ def trace_info(graph) -> TraceInfo:
         if frame.f_code.co_name == _TRACE_FRAME and "tracing_options" in frame.f_locals:
             is_function_trace = True
             attributes = getattr(frame.f_locals["tracing_options"], "attributes", None) or {}
+            discarded = _created_variables(frame.f_back)
             break
         frame = frame.f_back
     must_compile = bool(attributes.get(XLA_MUST_COMPILE, False)) if attributes else False
@@ -145,7 +156,21 @@ def trace_info(graph) -> TraceInfo:
         in_xla = bool(control_flow_util.GraphOrParentsInXlaContext(graph))
     except Exception:  # noqa: BLE001 - a graph without control-flow context is simply not in one
         in_xla = False
-    return TraceInfo(is_function_trace, must_compile, in_xla)
+    return TraceInfo(is_function_trace, must_compile, in_xla, discarded)
+
+
+def _created_variables(frame) -> bool:
+    """Whether the trace whose ``_create_concrete_function`` frame is above ``frame`` is the first trace
+    of a ``jit_compile=True`` function and created variables (so it will be traced again, see above).
+    Only the few frames up to that trace's ``_initialize`` are read, never past another trace."""
+    for _ in range(4):
+        if frame is None or frame.f_code.co_name == _TRACE_FRAME:
+            return False
+        if frame.f_code.co_name == _INITIALIZE_FRAME and "created_variables" in frame.f_locals:
+            function = frame.f_locals.get("self")
+            return bool(frame.f_locals["created_variables"]) and getattr(function, "_jit_compile", None) is True
+        frame = frame.f_back
+    return False
 
 
 _CALL_FRAME = "trace_function"  # tracing_compilation's function holding the call's args and kwargs.

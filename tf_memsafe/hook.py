@@ -63,6 +63,9 @@ class TraceReport:
       rewrite_seconds: the time the hook spent on the trace (the passes, and the programs they had
         XLA compile to measure), when the pipeline ran; not the trace itself nor XLA's compile of
         the result (issue 30's first-call cost, measured).
+      retraced: the first trace of a ``jit_compile=True`` function that created variables in it;
+        TensorFlow traces the function again without creating them and compiles and runs only that
+        trace (reported after this one), so this one is left as traced, never compiled.
     """
 
     function_name: str
@@ -73,6 +76,7 @@ class TraceReport:
     pipeline: PipelineResult | None = None
     model_before_bytes: int | None = None
     rewrite_seconds: float | None = None
+    retraced: bool = False
 
     @property
     def records(self):
@@ -186,6 +190,13 @@ def transform(graph) -> None:
     if not info.xla_compiled and not opts.rewrite_non_jit:
         _report(TraceReport(name, False, "skipped",
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
+        return
+    if info.discarded:
+        # A Keras optimizer's slots or metrics built at the first step: rewriting this trace would
+        # double the first call's cost for a program TensorFlow never compiles.
+        _report(TraceReport(name, True, "skipped", "the first trace, which created the function's variables: "
+                            "TensorFlow traces it again without creating them and runs only that trace",
+                            opts.memory_limit_bytes, retraced=True))
         return
     try:
         sharded, problem = dtensor_inputs.sharded_inputs(graph), ""

@@ -175,7 +175,8 @@ def explain(fn, *args, **kwargs) -> Report:
     with hook.active_in_this_thread():
         after = memory_footprint(fn, *args, rewrite=True, **kwargs)
     end = time.perf_counter()
-    traces = hook.reports_since(mark)
+    # (a first trace that created variables is traced again and never compiled: not the function's)
+    traces = [t for t in hook.reports_since(mark) if not t.retraced]
     timed = [t.rewrite_seconds for t in traces if t.rewrite_seconds is not None]
     records = tuple(rec for t in traces for rec in t.records)
     # The function's own trace comes first; functions it calls may add more.

@@ -182,3 +182,15 @@ class TestMeasuredFigures:
         assert _measured(TraceReport("knn", True, "unchanged"), 1, programs) == "XLA 120 B"
         assert _measured(TraceReport("loss", True, "unchanged"), 0, programs) == "XLA fwd 60 B + bwd 70 B"
         assert _measured(TraceReport("other", True, "unchanged"), 0, programs) == "not compiled"
+
+    def test_a_first_trace_traced_again_takes_no_program(self):
+        """A first trace that created variables is never compiled: the trace after it gets the first program."""
+        from tf_memsafe.__main__ import _summary
+        from tf_memsafe.hook import TraceReport
+
+        traces = [TraceReport("knn", True, "skipped", "the first trace, ...", retraced=True),
+                  TraceReport("knn", True, "unchanged", "no pass found anything to rewrite"),
+                  TraceReport("knn", True, "unchanged", "no pass found anything to rewrite")]
+        lines = _summary(traces, False, self.MODULES).splitlines()[1:]
+        assert ["never compiled" in line for line in lines] == [True, False, False]
+        assert ["XLA 100 B" in lines[1], "XLA 120 B" in lines[2]] == [True, True]

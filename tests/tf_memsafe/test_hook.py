@@ -72,6 +72,66 @@ class TestWhichTracesAreRewritten:
             outer(X)
         assert sorted(r.xla_compiled for r in tf_memsafe.reports()) == [True, True]
 
+    def test_a_first_trace_that_creates_variables_is_not_rewritten(self):
+        """TensorFlow traces such a function again without creating them and runs only that trace."""
+        tf_memsafe.enable("1GB")
+        counter = CountingPass()
+        state = []
+
+        @tf.function(jit_compile=True)
+        def f(x):
+            if not state:
+                state.append(tf.Variable(2.0))
+            return tf.sin(x) * state[0]
+
+        with hook.use_pipeline(Pipeline([counter])):
+            np.testing.assert_allclose(f(X), 2 * np.sin(X.numpy()), rtol=1e-6)
+            f(X + 1.0)
+        # (TensorFlow's own `initialize_variables`, traced between them, is not the function's)
+        assert counter.seen.count("f") == 1
+        first, second = [r for r in tf_memsafe.reports() if r.function_name == "f"]
+        assert first.retraced and first.status == "skipped" and "created the function's variables" in first.reason
+        assert not second.retraced and second.status == "unchanged"
+
+    def test_a_first_trace_that_creates_variables_runs_rewritten(self):
+        """The trace TensorFlow runs is the rewritten one, whether the variables come first or later."""
+        tf_memsafe.enable("1GB")
+        state = []
+
+        @tf.function(jit_compile=True)
+        def f(x):
+            if not state:
+                state.append(tf.Variable(2.0))
+            return tf.sin(x) * state[0]
+
+        with hook.use_pipeline(Pipeline([ScaleOutputsPass(10.0, once=False)])), \
+                tf_memsafe.options(max_fixed_point_iterations=1):
+            np.testing.assert_allclose(f(X), 20 * np.sin(X.numpy()), rtol=1e-6)
+            np.testing.assert_allclose(f.get_concrete_function(X)(X), 20 * np.sin(X.numpy()), rtol=1e-6)
+        assert [r.retraced for r in tf_memsafe.reports() if r.function_name == "f"] == [True, False]
+
+    @pytest.mark.parametrize("jit", [True, False])
+    def test_a_first_trace_that_creates_no_variables_is_rewritten(self, jit):
+        """Without variables created, TensorFlow runs the first trace itself (and a function not jit
+        compiled may run a first trace that created some where their initialisation cannot be lifted)."""
+        tf_memsafe.enable("1GB", rewrite_non_jit=True)
+        state, v = [], tf.Variable(2.0)
+
+        @tf.function(jit_compile=jit)
+        def creates(x):
+            if not state:
+                state.append(tf.Variable(2.0))
+            return tf.sin(x) * state[0]
+
+        counter = CountingPass()
+        with hook.use_pipeline(Pipeline([counter])):
+            tf.function(lambda x: tf.sin(x) * v, jit_compile=jit)(X)      # reads one, creates none
+            creates(X)
+        assert counter.seen.count("<lambda>") == 1
+        assert counter.seen.count("creates") == (1 if jit else 2)
+        assert [r.retraced for r in tf_memsafe.reports() if r.function_name == "creates"] == (
+            [True, False] if jit else [False, False])
+
     def test_disabled_hook_sees_nothing(self):
         counter = CountingPass()
         with hook.use_pipeline(Pipeline([counter])):
