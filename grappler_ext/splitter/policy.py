@@ -53,13 +53,16 @@ class Beside:
 
 @dataclasses.dataclass(frozen=True)
 class Planned:
-    """A region's plan: the forward's chunks, the backward's chunk, and the bytes a unit costs."""
+    """A region's plan: the forward's chunks, the backward's chunk, and the bytes a unit costs;
+    ``figures``: XLA's figures for its loop measured while planning it, ``((chunk, bytes), ...)``
+    (:func:`nested_plan`'s), which :func:`calibrated` reads instead of compiling the loop again."""
 
     chunks: ChunkPlan
     backward_chunk: int
     per_unit: float
     backward_unit: float
     best_effort: BestEffort | None = None
+    figures: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +304,8 @@ def rest_beside(grown: Grown, beside: Beside, limit: int, tuning: Tuning) -> int
 
 
 def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget: int, tuning: Tuning,
-               loop_figure: Callable[[int], int], large_joins: bool = False, model_per_unit: float = 0.0) -> Sized:
+               loop_figure: Callable[[int], int], large_joins: bool = False, model_per_unit: float = 0.0,
+               measured: tuple[tuple[int, int], ...] = ()) -> Sized:
     """The plan again, its chunk sized from XLA's figure for the loop (``loop_figure(chunk)``: the
     loop alone compiled at that chunk, never run); or the plan as it was, with why.
 
@@ -309,6 +313,8 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     difference of the chunks, is what one row of the split axis costs the loop, fusion, in-place
     updates and the combiner's carry included.  The memory model's count is kept on the safe side
     (``Tuning.safety_margin``), so this mostly gives larger chunks, and fewer steps, than it did.
+    ``measured``: two ``(chunk, figure)`` of this very loop already known (:attr:`Planned.figures`),
+    read instead of those two compiles (the fit below still compiles at the chunk it chooses).
     """
     k = top_k(options)
     length, first = chunks.length, chunks.chunk
@@ -316,12 +322,16 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     unchanged = Sized(chunks, 0.0, Sizing.MODEL)
     if grown.region.scaled is not None:        # (its chunk is scaled to each run's sizes: see .scaling)
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_RUN_TIME)
-    if second < k or second == first:
+    if len(measured) == 2 and measured[0][0] != measured[1][0]:
+        (first, low), (second, high) = sorted(measured)
+        figures = [low, high]
+    elif second < k or second == first:
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NO_SECOND_SIZE)
-    try:
-        figures = [loop_figure(c) for c in (first, second)]
-    except Exception as e:  # noqa: BLE001 - the model's plan stands; the record says why
-        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_MEASURE_FAILED, detail=type(e).__name__)
+    else:
+        try:
+            figures = [loop_figure(c) for c in (first, second)]
+        except Exception as e:  # noqa: BLE001 - the model's plan stands; the record says why
+            return dataclasses.replace(unchanged, sizing=Sizing.MODEL_MEASURE_FAILED, detail=type(e).__name__)
     per_row = (figures[1] - figures[0]) / (second - first)
     if per_row <= 0:
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_NOT_GROWING)
@@ -368,7 +378,7 @@ def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuni
     if not isinstance(planned, Planned) or (planned.best_effort is not None and planned.chunks.predicted_bytes
                                             >= unnested.chunks.predicted_bytes):
         return None
-    return planned
+    return dataclasses.replace(planned, figures=((first, low), (2 * first, high)))
 
 
 def _fitted(length: int, k: int, measured: tuple[int, int], per_row: float, rest: int, limit: int, tuning: Tuning,

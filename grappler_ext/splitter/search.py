@@ -87,7 +87,8 @@ class RegionSearch:
         if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fusable:
             sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
                                       lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
-                                      large_joins=run.relaxed, model_per_unit=per_unit)
+                                      large_joins=run.relaxed, model_per_unit=per_unit,
+                                      measured=planned.figures)
             if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)
