@@ -25,6 +25,19 @@ def loop_and_cond(x):
 X = tf.constant([0.5, 1.0, 2.0])
 
 
+def creates_a_variable(jit: bool = True):
+    """A function ``f`` that makes a variable at its first trace, as a Keras optimizer makes its slots."""
+    state = []
+
+    @tf.function(jit_compile=jit)
+    def f(x):
+        if not state:
+            state.append(tf.Variable(2.0))
+        return tf.sin(x) * state[0]
+
+    return f
+
+
 class TestWhichTracesAreRewritten:
     def test_jit_function_is_rewritten_and_computes_the_rewrite(self):
         tf_memsafe.enable("1GB")
@@ -76,14 +89,7 @@ class TestWhichTracesAreRewritten:
         """TensorFlow traces such a function again without creating them and runs only that trace."""
         tf_memsafe.enable("1GB")
         counter = CountingPass()
-        state = []
-
-        @tf.function(jit_compile=True)
-        def f(x):
-            if not state:
-                state.append(tf.Variable(2.0))
-            return tf.sin(x) * state[0]
-
+        f = creates_a_variable()
         with hook.use_pipeline(Pipeline([counter])):
             np.testing.assert_allclose(f(X), 2 * np.sin(X.numpy()), rtol=1e-6)
             f(X + 1.0)
@@ -94,16 +100,9 @@ class TestWhichTracesAreRewritten:
         assert not second.retraced and second.status == "unchanged"
 
     def test_a_first_trace_that_creates_variables_runs_rewritten(self):
-        """The trace TensorFlow runs is the rewritten one, whether the variables come first or later."""
+        """The trace TensorFlow runs is the rewritten one, called or asked for as a concrete function."""
         tf_memsafe.enable("1GB")
-        state = []
-
-        @tf.function(jit_compile=True)
-        def f(x):
-            if not state:
-                state.append(tf.Variable(2.0))
-            return tf.sin(x) * state[0]
-
+        f = creates_a_variable()
         with hook.use_pipeline(Pipeline([ScaleOutputsPass(10.0, once=False)])), \
                 tf_memsafe.options(max_fixed_point_iterations=1):
             np.testing.assert_allclose(f(X), 20 * np.sin(X.numpy()), rtol=1e-6)
@@ -115,21 +114,14 @@ class TestWhichTracesAreRewritten:
         """Without variables created, TensorFlow runs the first trace itself (and a function not jit
         compiled may run a first trace that created some where their initialisation cannot be lifted)."""
         tf_memsafe.enable("1GB", rewrite_non_jit=True)
-        state, v = [], tf.Variable(2.0)
-
-        @tf.function(jit_compile=jit)
-        def creates(x):
-            if not state:
-                state.append(tf.Variable(2.0))
-            return tf.sin(x) * state[0]
-
+        v = tf.Variable(2.0)
         counter = CountingPass()
         with hook.use_pipeline(Pipeline([counter])):
             tf.function(lambda x: tf.sin(x) * v, jit_compile=jit)(X)      # reads one, creates none
-            creates(X)
+            creates_a_variable(jit)(X)
         assert counter.seen.count("<lambda>") == 1
-        assert counter.seen.count("creates") == (1 if jit else 2)
-        assert [r.retraced for r in tf_memsafe.reports() if r.function_name == "creates"] == (
+        assert counter.seen.count("f") == (1 if jit else 2)
+        assert [r.retraced for r in tf_memsafe.reports() if r.function_name == "f"] == (
             [True, False] if jit else [False, False])
 
     def test_disabled_hook_sees_nothing(self):
