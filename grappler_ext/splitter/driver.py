@@ -485,4 +485,5 @@ class _Run:
         self.pending.append(outcome.CannotFit(
             self.graph.name, self.entry_over[0] if as_written else needed,
             "XLA" if as_written else "about" if est.peak_bytes is not None else "at least",
-            None if self.growth else after, figure.bytes if figure.known else None, limit, self.limit, what).render())
+            None if self.growth else after, figure.bytes if figure.known else None, limit, self.limit, what,
+            *((0, 0) if self.growth else analysis.boundary_bytes(self.graph))).render())

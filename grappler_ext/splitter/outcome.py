@@ -316,7 +316,8 @@ class CannotFit:
     bytes, ``by``: "about" or "at least" by the model's count, or "XLA" by its figure as written), as split
     (the model's count and XLA's figure, where known), the limit planned against (``limit``, the
     user's ``wanted`` where it was scaled) and what the splitter said of the record that could not
-    be helped (``what``)."""
+    be helped (``what``); ``arguments`` and ``results``: the bytes of the program's arguments (its
+    variables' values among them) and results, which no rewrite changes (0: not counted)."""
 
     program: str
     needed: int | None
@@ -326,6 +327,13 @@ class CannotFit:
     limit: int
     wanted: int
     what: str
+    arguments: int = 0
+    results: int = 0
+
+    @property
+    def floor(self) -> int:
+        """What the program holds whatever is rewritten inside it."""
+        return self.arguments + self.results
 
     def render(self) -> str:
         mb = megabytes
@@ -336,5 +344,13 @@ class CannotFit:
                   f" (the limit of {mb(self.wanted)} scaled to the model's count by XLA's figure)")
         need = (f"needs {mb(self.needed)} by XLA's figure as written" if self.by == "XLA"
                 else f"needs {self.by} {mb(self.needed)} by the memory model")
-        return (f"`{self.program}` {need}{then}, over its limit of {mb(self.limit)}{scaled}, and {self.what}. It "
-                "will run as well as it can; raise memory_limit, or rewrite that op's input in smaller pieces.")
+        head = f"`{self.program}` {need}{then}, over its limit of {mb(self.limit)}{scaled}, and {self.what}."
+        parts = f"arguments and variables {mb(self.arguments)}, results {mb(self.results)}"
+        if self.floor > self.wanted:
+            return (f"{head} Its arguments and results alone are {mb(self.floor)} ({parts}), over the limit: no "
+                    f"rewrite inside it can bring it under. It will run as well as it can; raise memory_limit above "
+                    f"{mb(self.floor)}, or have it take or return less (smaller batches, results in parts).")
+        tight = (f" Its arguments and results alone are {mb(self.floor)} ({parts}), leaving "
+                 f"{mb(self.wanted - self.floor)} for everything else." if self.floor >= self.wanted / 2 else "")
+        return (f"{head}{tight} It will run as well as it can; raise memory_limit, or rewrite that op's input in "
+                "smaller pieces.")

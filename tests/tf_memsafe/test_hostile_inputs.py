@@ -70,6 +70,8 @@ class TestLimits:
         expected = tf.function(knn, jit_compile=True)(x, y)
         got, footprint, records, said = run_enabled(knn, x, y, limit=1000)
         assert len(said) == 1 and "It will run as well as it can" in said[0], said
+        # (its arguments, 60 kB, and its results: no rewrite inside the program can help, and it says so)
+        assert "arguments and results alone are 0.1 MB" in said[0] and "no rewrite inside it" in said[0], said
         assert any(r.code == Code.BEST_EFFORT for r in records)
         assert footprint < tf_memsafe.memory_footprint(knn, x, y, rewrite=False) / 10
         assert np.mean(got.numpy() == expected.numpy()) > 0.99

@@ -8,7 +8,7 @@ import json
 
 from grappler_ext.pass_base import PassResult, Record
 from grappler_ext.splitter import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing
-from grappler_ext.splitter.outcome import BestEffort
+from grappler_ext.splitter.outcome import BestEffort, CannotFit
 from tf_memsafe.report import Report
 
 
@@ -63,3 +63,26 @@ def test_a_report_keeps_the_plan_as_data():
     data = json.loads(json.dumps(report.to_dict()))
     assert data["records"][0]["plan"]["length"] == 20000
     assert Report.from_dict(data).records[0].code == Code.SPLIT
+
+
+class TestCannotFit:
+    """The one warning of a run that cannot meet its limit: what the program holds whatever is rewritten."""
+
+    @staticmethod
+    def warning(arguments=0, results=0) -> str:
+        return CannotFit("step", 300 * 10**6, "about", 150 * 10**6, 160 * 10**6, 100 * 10**6, 100 * 10**6,
+                         "the splitter cannot split `MatMul`", arguments, results).render()
+
+    def test_arguments_and_results_over_the_limit_are_named_as_the_floor(self):
+        said = self.warning(arguments=30 * 10**6, results=90 * 10**6)
+        assert "arguments and results alone are 120.0 MB (arguments and variables 30.0 MB, results 90.0 MB)" in said
+        assert "no rewrite inside it can bring it under" in said and "raise memory_limit above 120.0 MB" in said
+
+    def test_arguments_and_results_taking_most_of_the_limit_say_what_is_left(self):
+        said = self.warning(arguments=10 * 10**6, results=60 * 10**6)
+        assert "alone are 70.0 MB" in said and "leaving 30.0 MB for everything else" in said
+        assert "no rewrite" not in said
+
+    def test_small_arguments_and_results_are_not_mentioned(self):
+        said = self.warning(arguments=10 * 10**6, results=10 * 10**6)
+        assert "alone" not in said and said.endswith("rewrite that op's input in smaller pieces.")
