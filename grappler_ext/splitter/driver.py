@@ -486,4 +486,4 @@ class _Run:
             self.graph.name, self.entry_over[0] if as_written else needed,
             "XLA" if as_written else "about" if est.peak_bytes is not None else "at least",
             None if self.growth else after, figure.bytes if figure.known else None, limit, self.limit, what,
-            *((0, 0) if self.growth else analysis.boundary_bytes(self.graph))).render())
+            *((0, 0) if self.growth else analysis.boundary_bytes(self.graph)), split=after is not None).render())

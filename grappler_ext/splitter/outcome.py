@@ -317,7 +317,8 @@ class CannotFit:
     (the model's count and XLA's figure, where known), the limit planned against (``limit``, the
     user's ``wanted`` where it was scaled) and what the splitter said of the record that could not
     be helped (``what``); ``arguments`` and ``results``: the bytes of the program's arguments (its
-    variables' values among them) and results, which no rewrite changes (0: not counted)."""
+    variables' values among them) and results, which no rewrite changes (0: not counted); ``split``:
+    whether anything was split."""
 
     program: str
     needed: int | None
@@ -329,6 +330,7 @@ class CannotFit:
     what: str
     arguments: int = 0
     results: int = 0
+    split: bool = True                  # whether anything was split (else XLA's figure is the program's as written)
 
     @property
     def floor(self) -> int:
@@ -339,7 +341,7 @@ class CannotFit:
         mb = megabytes
         xla = f"{mb(self.figure)} by XLA's figure" if self.figure is not None else ""
         then = (f" ({mb(self.after)} as split{', ' + xla if xla else ''})" if self.after is not None
-                else f" ({xla} as split)" if xla else "")
+                else f" ({xla} as {'split' if self.split else 'written'})" if xla else "")
         scaled = ("" if self.limit == self.wanted else
                   f" (the limit of {mb(self.wanted)} scaled to the model's count by XLA's figure)")
         need = (f"needs {mb(self.needed)} by XLA's figure as written" if self.by == "XLA"

@@ -86,3 +86,8 @@ class TestCannotFit:
     def test_small_arguments_and_results_are_not_mentioned(self):
         said = self.warning(arguments=10 * 10**6, results=10 * 10**6)
         assert "alone" not in said and said.endswith("rewrite that op's input in smaller pieces.")
+
+    def test_a_figure_of_a_program_nothing_was_split_in_is_as_written(self):
+        fig = dict(needed=300 * 10**6, by="about", figure=160 * 10**6, limit=10**8, wanted=10**8, what="it cannot")
+        assert "(160.0 MB by XLA's figure as written)" in CannotFit("f", after=None, split=False, **fig).render()
+        assert "(160.0 MB by XLA's figure as split)" in CannotFit("f", after=None, **fig).render()
