@@ -933,18 +933,6 @@ def materialised_bytes(ops, info, where=lambda t: True) -> int:
                if where(o) and (i := info.get(o.name)) is not None and i.materialised and i.bytes)
 
 
-def boundary_bytes(graph) -> tuple[int, int]:
-    """``(arguments, results)``: the bytes of the program's arguments (its variables' values among
-    them) and of its results, each tensor once -- what XLA holds whatever is rewritten inside.
-    Sizes known only at run time count at the nominal size the plan reads (else 0)."""
-    outputs = [t for t in getattr(graph, "outputs", []) if t is not None and t.dtype not in (tf.resource, tf.variant)]
-    results = sum(nbytes(t) for t in {t.ref(): t for t in outputs}.values())
-    arguments = sum(nbytes(t) for t in graph.inputs if t.dtype not in (tf.resource, tf.variant))
-    arguments += sum(v.shape.num_elements() * v.dtype.size for v in getattr(graph, "variables", ())
-                     if v.shape.is_fully_defined())
-    return arguments, results
-
-
 def held_for_backward(grown: Grown, info, backward, joined) -> int:
     """Bytes that splitting the region stops holding from the forward to the backward: its tensors
     (and its prologue's) that gradients inside the function read (the loop's gradient recomputes

@@ -482,8 +482,10 @@ class _Run:
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
                 else f"the splitter could only reduce it: {worst.reason}")
         as_written = est.peak_bytes is None and self.entry_over is not None
+        # (what no rewrite changes, by the model's count of the program as traced: not at nominal sizes)
+        arguments, results = (0, 0) if self.growth else (est.parameter_bytes, est.output_bytes)
         self.pending.append(outcome.CannotFit(
             self.graph.name, self.entry_over[0] if as_written else needed,
             "XLA" if as_written else "about" if est.peak_bytes is not None else "at least",
             None if self.growth else after, figure.bytes if figure.known else None, limit, self.limit, what,
-            *((0, 0) if self.growth else analysis.boundary_bytes(self.graph)), split=after is not None).render())
+            arguments=arguments, results=results, split=after is not None).render())
