@@ -115,18 +115,18 @@ class TraceInfo:
       must_compile: the function has ``jit_compile=True``.
       in_xla_context: the graph or a parent is traced inside an XLA context (e.g. a plain
         ``tf.function`` called from a jit one).
-      discarded: the first trace of a ``jit_compile=True`` function that created variables in it:
+      retraced: the first trace of a ``jit_compile=True`` function that created variables in it:
         TensorFlow traces the function again without creating them and never runs this trace.
     """
 
-    __slots__ = ("is_function_trace", "must_compile", "in_xla_context", "discarded")
+    __slots__ = ("is_function_trace", "must_compile", "in_xla_context", "retraced")
 
     def __init__(self, is_function_trace: bool, must_compile: bool, in_xla_context: bool,
-                 discarded: bool = False):
+                 retraced: bool = False):
         self.is_function_trace = is_function_trace
         self.must_compile = must_compile
         self.in_xla_context = in_xla_context
-        self.discarded = discarded
+        self.retraced = retraced
 
     @property
     def xla_compiled(self) -> bool:
@@ -139,7 +139,7 @@ def trace_info(graph) -> TraceInfo:
 
     attributes = None
     is_function_trace = False
-    discarded = False
+    retraced = False
     frame = sys._getframe(1)
     # Only a few frames separate the transform from its caller; bound the walk anyway.
     for _ in range(12):
@@ -148,7 +148,7 @@ def trace_info(graph) -> TraceInfo:
         if frame.f_code.co_name == _TRACE_FRAME and "tracing_options" in frame.f_locals:
             is_function_trace = True
             attributes = getattr(frame.f_locals["tracing_options"], "attributes", None) or {}
-            discarded = _created_variables(frame.f_back)
+            retraced = _created_variables(frame.f_back)
             break
         frame = frame.f_back
     must_compile = bool(attributes.get(XLA_MUST_COMPILE, False)) if attributes else False
@@ -156,7 +156,7 @@ def trace_info(graph) -> TraceInfo:
         in_xla = bool(control_flow_util.GraphOrParentsInXlaContext(graph))
     except Exception:  # noqa: BLE001 - a graph without control-flow context is simply not in one
         in_xla = False
-    return TraceInfo(is_function_trace, must_compile, in_xla, discarded)
+    return TraceInfo(is_function_trace, must_compile, in_xla, retraced)
 
 
 def _created_variables(frame) -> bool:

@@ -191,7 +191,7 @@ def transform(graph) -> None:
         _report(TraceReport(name, False, "skipped",
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
         return
-    if info.discarded:
+    if info.retraced:
         # A Keras optimizer's slots or metrics built at the first step: rewriting this trace would
         # double the first call's cost for a program TensorFlow never compiles.
         _report(TraceReport(name, True, "skipped", "the first trace, which created the function's variables: "
