@@ -23,15 +23,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import handle_data_util
 
 from grappler_ext import graph_query
 
 __all__ = [
     "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "on_undo", "building", "replace_uses",
-    "rewire_input", "set_output", "consumers", "EditError", "is_generated", "clone_op",
+    "rewire_input", "set_output", "consumers", "EditError", "is_generated", "clone_op", "OpCopy", "snapshot",
+    "copy_ops",
 ]
 
 GENERATED_SCOPE = "tf_memsafe"  # Name scope of every op tf_memsafe builds: marks what we generated.
@@ -151,6 +153,52 @@ def clone_op(op: tf.Operation, new_inputs, attrs: dict | None = None) -> list[tf
         op.type, list(new_inputs), dtypes=[t.dtype for t in op.outputs], attrs=values,
         name=op.name.rsplit("/", 1)[-1])
     return list(new_op.outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCopy:
+    """An op as it was when :func:`snapshot` took it: what it read then (a later edit may rewire it)."""
+
+    op: tf.Operation
+    inputs: tuple
+    control_inputs: tuple
+
+
+def snapshot(ops: Sequence[tf.Operation]) -> list[OpCopy]:
+    """``ops`` with what each reads now, to be copied later (:func:`copy_ops`)."""
+    return [OpCopy(op, tuple(op.inputs), tuple(op.control_inputs)) for op in ops]
+
+
+def copy_ops(ops: Sequence[OpCopy], mapping: dict) -> dict:
+    """Copies of the ops of a :func:`snapshot` (each after the ops it reads: their creation order) in
+    the default graph, each reading what its original read when the snapshot was taken, through
+    ``mapping`` (``t.ref()`` -> the tensor to read instead), the copies of the snapshot's ops in
+    place of their outputs.  ``mapping`` is returned, with each original output's copy added.
+
+    A copy is the op again: its type, every attribute (colocation aside: it names the original's
+    neighbours) and its control inputs (mapped alike); its outputs keep the original's static
+    shapes and, for handles (a loop's tensor lists), the shapes of what they hold.  A loop or a
+    conditional is copied by reference to the same body functions, so a copy costs an op, not a
+    trace.  What the originals read is taken from the snapshot, not from the ops now: a later edit
+    (a gradient's old result replaced by a new one everywhere) may have rewired them."""
+    graph = tf.compat.v1.get_default_graph()
+    copied: dict = {}                       # an original op -> its copy (for control inputs)
+    for taken in ops:
+        op = taken.op
+        inputs = [mapping.get(t.ref(), t) for t in taken.inputs]
+        control = [copied.get(c, c) for c in taken.control_inputs]
+        attrs = {name: value for name, value in op.node_def.attr.items() if name != "_class"}
+        with tf.control_dependencies(control):
+            new_op = graph._create_op_internal(  # noqa: SLF001 - runs shape inference
+                op.type, inputs, dtypes=[t.dtype for t in op.outputs], attrs=attrs,
+                name=op.name.rsplit("/", 1)[-1])
+        copied[op] = new_op
+        for old, new in zip(op.outputs, new_op.outputs):
+            new.set_shape(old.shape)
+            if old.dtype in (tf.resource, tf.variant):
+                handle_data_util.copy_handle_data(old, new)
+            mapping[old.ref()] = new
+    return mapping
 
 
 def consumers(tensor: tf.Tensor) -> list[tuple[tf.Operation, int]]:

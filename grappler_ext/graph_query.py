@@ -4,6 +4,8 @@ Rule: everything here only reads a graph; nothing mutates it (edits go through
 :mod:`grappler_ext.graph_edit`).
 
 * :func:`live_ops`: the ops reachable backwards from the graph's outputs and control outputs;
+* :func:`kept_ops`: those and the ops TensorFlow's function runtime keeps beside them (stateful
+  ones and what they read);
 * :func:`topological_order`: ops in a topological order, ties broken by creation order; a cycle
   raises :class:`VerificationError` (which :mod:`grappler_ext.verifier` exports as its own);
 * :func:`ancestors`: the ops some tensors depend on, through data and control edges.
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-__all__ = ["VerificationError", "live_ops", "topological_order", "ancestors", "ancestor_ops"]
+__all__ = ["VerificationError", "live_ops", "kept_ops", "topological_order", "ancestors", "ancestor_ops"]
 
 
 class VerificationError(AssertionError):
@@ -46,6 +48,18 @@ def live_ops(graph) -> set[tf.Operation]:
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return seen
+
+
+def kept_ops(graph, ops: Iterable[tf.Operation] | None = None) -> set[tf.Operation]:
+    """The ops of ``graph`` (a ``FuncGraph``; ``ops``: its ops, by default ``graph.get_operations()``)
+    that TensorFlow keeps when it makes it a function and prunes its body (``PruneFunctionBody``):
+    those reachable backwards from its outputs, its control outputs, and every stateful op (a draw,
+    a variable's write), reachable or not -- a stateful op nothing reads still runs.  What a pass
+    built and abandoned is not among them, unless stateful."""
+    ops = graph.get_operations() if ops is None else ops
+    roots = _roots(graph) + [op for op in ops
+                             if op._is_stateful and op.type != "Placeholder"]  # noqa: SLF001 - the op def's flag
+    return ancestor_ops(roots)
 
 
 def _predecessors(op: tf.Operation) -> set[tf.Operation]:

@@ -75,6 +75,9 @@ class Symbols:
     names: dict[str, tuple[Monomial | None, ...]]
     count: int                                         # symbols 0 .. count - 1
     sources: dict[int, list[tuple[tf.Tensor, int]]] = dataclasses.field(default_factory=dict)
+    # (graph's id, symbol or monomial) -> (graph, its run-time value made in that graph): a loop's
+    # slices read the same few sizes thousands of times, made once in each graph (body, branch)
+    made: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def axis(self, k: int) -> int:
         """The input axis symbol ``k`` stands for (0: a batch)."""
@@ -82,12 +85,26 @@ class Symbols:
 
     def run_size(self, k: int) -> tf.Tensor:
         """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles)."""
-        sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
-        return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
+        def make():
+            sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
+            return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
+
+        return self._once(("size", k), make)
 
     def run_value(self, m: Monomial) -> tf.Tensor:
         """The dimension ``m`` is when the function runs (an int32 scalar XLA resolves)."""
-        return tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32)
+        return self._once(("value", m), lambda: tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32))
+
+    def _once(self, key, make) -> tf.Tensor:
+        """``make()`` in the default graph, made there once (not under control edges, which another
+        reader would inherit)."""
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(graph, "_control_dependencies_stack", None):
+            return make()
+        made = self.made.get((id(graph), key))
+        if made is None or made[0] is not graph:
+            made = self.made[(id(graph), key)] = (graph, make())
+        return made[1]
 
     def run_exact(self, size: int):
         """An exact size (:func:`exact_dims`) when the function runs: the int itself where it holds no

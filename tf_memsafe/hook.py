@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from grappler_ext import gradients
+from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
 from tf_memsafe import _tf_internals, config, dtensor_inputs
 from tf_memsafe.errors import RewriteError
@@ -215,6 +215,7 @@ def transform(graph) -> None:
     try:
         opts = dataclasses.replace(_resolved_options(graph), sharded_inputs=sharded)
         before = _model_estimate(graph)
+        traced_ops = len(graph.get_operations())
         result = _pipeline().run(graph, opts)
     except Exception as e:  # noqa: BLE001 - fail open; the pipeline has restored the graph
         pass_name = e.pass_name if isinstance(e, PipelineError) else None
@@ -231,6 +232,10 @@ def transform(graph) -> None:
         return
     finally:
         _local.depth -= 1
+    if len(graph.get_operations()) > traced_ops:
+        # What the passes built and abandoned (plans undone, gradients built again) stays in the
+        # graph, unreachable: TensorFlow is given only what it would keep.
+        _tf_internals.export_only(graph, graph_query.kept_ops)
     status = "rewritten" if result.changed else "unchanged"
     reason = "" if result.changed else "no pass found anything to rewrite"
     _report(TraceReport(name, info.xla_compiled, status, reason, opts.memory_limit_bytes, result, before,

@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from grappler_ext import folding
+from grappler_ext.splitter import replay
 from grappler_ext.splitter.combiners import Combiner, RunSpec, write_slice
 from grappler_ext.splitter.rules import clone_op
 from grappler_ext.splitter.scaling import Scaling
@@ -483,7 +484,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
             return _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner,
                              scaled[0], floating)
 
-        return outputs, grad
+        return outputs, replay.once(grad)
 
     return list(split_region(*values))
 

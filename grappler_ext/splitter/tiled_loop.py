@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext import folding
+from grappler_ext.splitter import replay
 from grappler_ext.splitter.combiners import Combiner, with_rows, write_slice
 from grappler_ext.splitter.loop import (
     Region,
@@ -279,7 +280,7 @@ def build_tiled(region: Region, tiles: TilePlan, backward_tiles: TilePlan, combi
             return _backward(region, op_inputs, backward_tiles, external, values, outputs, upstream, combiner, floating,
                              key_axes, read_whole)
 
-        return outputs, grad
+        return outputs, replay.once(grad)
 
     return list(tiled(*external))
 

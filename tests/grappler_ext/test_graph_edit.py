@@ -132,3 +132,63 @@ def test_ancestors_follow_control_edges():
     g = f.get_concrete_function(tf.TensorSpec([2])).graph
     types = {op.type for op in graph_query.ancestors(g.outputs)}
     assert {"Sin", "Placeholder", "Identity"} <= types
+
+
+class TestCopyOps:
+    """Copies of ops built once (a loop's backward, asked for again): the same computation on other
+    inputs, each copy reading what its original read when the snapshot was taken."""
+
+    def test_a_copy_computes_the_same_on_the_mapped_input_and_traces_no_body_again(self):
+        seen = {}
+
+        @tf.function
+        def f(x, y):
+            g = tf.compat.v1.get_default_graph()
+            start = len(g.get_operations())
+            _, total = tf.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + tf.sin(x)), (0, tf.zeros_like(x)))
+            out = tf.exp(total)
+            ops = graph_edit.snapshot(g.get_operations()[start:])
+            functions = len(g._functions)  # noqa: SLF001
+            mapping = graph_edit.copy_ops(ops, {x.ref(): y})
+            (loop,) = [c.op for c in ops if c.op.type in ("While", "StatelessWhile")]
+            seen.update(functions=(functions, len(g._functions)),  # noqa: SLF001 - the body referenced
+                        bodies=(loop.get_attr("body"), mapping[loop.outputs[0].ref()].op.get_attr("body")),
+                        shapes=(out.shape, mapping[out.ref()].shape))
+            return out + mapping[out.ref()]
+
+        x, y = tf.constant([0.1, 0.2, 0.3]), tf.constant([1.0, 2.0, 3.0])
+        got = f(x, y)
+        assert seen["functions"][0] == seen["functions"][1] and seen["bodies"][0] == seen["bodies"][1]
+        assert seen["shapes"][0] == seen["shapes"][1] == [3]
+        expected = tf.exp(3 * tf.sin(x)) + tf.exp(3 * tf.sin(y))
+        assert got.numpy() == pytest.approx(expected.numpy(), rel=1e-6)
+
+    def test_a_copy_reads_what_its_original_read_before_a_later_rewire(self):
+        g, sin = exp_of_sin()
+        with graph_edit.building(g, "test"):
+            start = len(g.get_operations())
+            a = tf.cos(sin)
+            b = a * 2.0
+            ops = graph_edit.snapshot(g.get_operations()[start:])
+            replacement = tf.tan(sin)
+        graph_edit.replace_uses(a, replacement)            # rewires b, the original
+        assert b.op.inputs[0] is replacement
+        with graph_edit.building(g, "test"):
+            mapping = graph_edit.copy_ops(ops, {})
+        copy_of_b = mapping[b.ref()]
+        assert copy_of_b.op.inputs[0] is mapping[a.ref()]   # the copy of a, as b read when taken
+        assert mapping[a.ref()].op.inputs[0] is sin
+
+
+def test_kept_ops_are_the_live_ones_and_every_stateful_op():
+    """What TensorFlow keeps of a function (``PruneFunctionBody``): what its outputs and control
+    outputs read, and stateful ops whether or not anything reads them; not an abandoned op."""
+    g, sin = exp_of_sin()
+    with graph_edit.building(g, "test"):
+        dead = tf.cos(sin)
+        draw = tf.random.uniform([2])               # stateful, read by nothing
+        dead_reader = draw * 2.0
+    kept = graph_query.kept_ops(g)
+    assert graph_query.live_ops(g) <= kept
+    assert draw.op in kept and draw.op not in graph_query.live_ops(g)
+    assert dead.op not in kept and dead_reader.op not in kept

@@ -813,6 +813,32 @@ class TestRandomDrawsRedrawn:
         _gradient_matches_central_differences(loss_and_grads, (x,), weights, rng)
         assert any(r.plan.fused for r in rewrites())        # the mask drawn and differentiated in one step
 
+    def test_each_loops_gradient_recomputes_its_own_loops_masks(self):
+        """Two loops that draw, each keyed on its own seed of the call.  The first loop's gradient is
+        built again when the second's is installed (the recorded gradient differentiated again):
+        it must still recompute the masks its forward drew, not draws keyed on the second loop's seed.
+        With ``a = sum_j dropout(u)_ij * w1``, ``d loss / d w1 = sum(a) / w1`` exactly when they agree
+        (float64: a mask drawn apart is off by about 1e-4 of it)."""
+        def step(x, y, w1, w2):
+            with tf.GradientTape() as tape:
+                tape.watch([w1, w2])
+                a = tf.reduce_sum(tf.nn.dropout(tf.sigmoid(x[:, None] * y[None, :]), 0.5) * w1, axis=1)  # [2048]
+                b = tf.reduce_sum(tf.nn.dropout(tf.sin(x[:, None] + y[None, :]), 0.5) * w2, axis=1)
+                loss = tf.reduce_sum(a) + tf.reduce_sum(b)
+            return a, b, tape.gradient(loss, [w1, w2])
+
+        rng = np.random.default_rng(0)
+        x, y = (tf.constant(rng.standard_normal(n)) for n in (2048, 1024))      # [2048, 1024] f64: 16 MB
+        w1, w2 = tf.constant(0.3, tf.float64), tf.constant(0.7, tf.float64)
+        tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
+        with splitter_only():
+            fn = tf.function(step, jit_compile=True)
+            a, b, (g1, g2) = fn(x, y, w1, w2)
+        assert len(rewrites()) == 2 and all(r.plan.rebuilt_gradients for r in rewrites())
+        assert float(g1) == pytest.approx(float(tf.reduce_sum(a)) / 0.3, rel=1e-9)
+        assert float(g2) == pytest.approx(float(tf.reduce_sum(b)) / 0.7, rel=1e-9)
+
+
 class TestKeyedDrawsRedrawn:
     """A stateless draw keyed by a tensor of the program (Keras 3's dropout: ``StatelessRandomUniformV2``
     keyed from its seed generator), [4096, 1024] f32 = 16 MB.  Refused by default; with
