@@ -145,6 +145,7 @@ module              what it holds
 ``tiling``          an attention's query x key tiles: where the query rows lie, tile sizes (pure)
 ``masked_tiles``    which tiles of an attention's scores are proven masked (intervals, no mutation)
 ``tiled_loop``      the loops over an attention's tiles, masked ones skipped, and their gradient
+``replay``          a loop's gradient built once in a graph, copied when it is asked for again
 ``slicing``         a slice along an axis, and slices joined back
 ``rules``           how a split axis passes through each op type (the rule table)
 ``chunk_plan``      the largest chunk under a budget (pure)

@@ -13,7 +13,9 @@ builds, in the region's graph:
 * ``backward``: the same slices again in a second loop, each recomputed under a local
   ``GradientTape`` and differentiated with the upstream gradient the combiner routes to it;
   gradients of sliced inputs are written slice by slice and joined, those of inputs used whole
-  are summed.  So no full-size intermediate exists in the backward either.
+  are summed.  So no full-size intermediate exists in the backward either.  It is built once in a
+  graph, the first time ``tf.gradients`` asks for it, and copied when it asks again (the splitter
+  differentiates the function again after each loop: :mod:`.replay`).
 
 Where the region's one floating output is a scalar combined by a sum or a mean and the gradients
 inside the function differentiate it (the loss), ``forward`` can do both at once
