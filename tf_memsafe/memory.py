@@ -173,23 +173,31 @@ _FIGURES: collections.OrderedDict[str, int] = collections.OrderedDict()   # prog
 _FIGURES_KEPT = 4096
 
 
-def program_fingerprint(graph_def: graph_pb2.GraphDef) -> str:
-    """A digest of a traced program that names do not change: its functions (loop bodies, branches)
-    renamed in the order the graph first refers to them, so that two loops built alike (a model's
-    identical layers, a region planned again) have the same fingerprint."""
-    library = {f.signature.name: f for f in graph_def.library.function}
-    order: dict[str, str] = {}
+def _called_functions(nodes, library: dict) -> list[str]:
+    """The names of the functions of ``library`` that ``nodes`` call, directly or through other
+    functions (loop bodies, branches), in the order they are first referred to (each node's
+    attributes by name)."""
+    called: dict[str, None] = {}
 
     def visit(nodes) -> None:
         for node in nodes:
             for key in sorted(node.attr):
                 value = node.attr[key]
                 for name in [value.func.name] + [f.name for f in value.list.func]:
-                    if name in library and name not in order:
-                        order[name] = f"fn{len(order)}"
+                    if name in library and name not in called:
+                        called[name] = None
                         visit(library[name].node_def)
 
-    visit(graph_def.node)
+    visit(nodes)
+    return list(called)
+
+
+def program_fingerprint(graph_def: graph_pb2.GraphDef) -> str:
+    """A digest of a traced program that names do not change: its functions (loop bodies, branches)
+    renamed in the order the graph first refers to them, so that two loops built alike (a model's
+    identical layers, a region planned again) have the same fingerprint."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    order = {name: f"fn{i}" for i, name in enumerate(_called_functions(graph_def.node, library))}
     main = graph_pb2.GraphDef()
     main.CopyFrom(graph_def)
     main.ClearField("library")
@@ -241,24 +249,12 @@ def live_definition(graph) -> graph_pb2.GraphDef:
     whole = graph.as_graph_def()
     live = {op.name for op in graph_query.kept_ops(graph)}
     library = {f.signature.name: f for f in whole.library.function}
-    called: list[str] = []
-    seen: set[str] = set()
-
-    def visit(nodes) -> None:
-        for node in nodes:
-            for value in node.attr.values():
-                for name in [value.func.name] + [f.name for f in value.list.func]:
-                    if name in library and name not in seen:
-                        seen.add(name)
-                        called.append(name)
-                        visit(library[name].node_def)
-
     nodes = [n for n in whole.node if n.name in live]
-    visit(nodes)
+    called = _called_functions(nodes, library)
     definition = graph_pb2.GraphDef(versions=whole.versions)
     definition.node.extend(nodes)
     definition.library.function.extend(library[name] for name in sorted(called))
-    definition.library.gradient.extend(g for g in whole.library.gradient if g.function_name in seen)
+    definition.library.gradient.extend(g for g in whole.library.gradient if g.function_name in set(called))
     return definition
 
 
