@@ -156,6 +156,8 @@ class PassOptions:
       redraw_random: let the splitter draw random values again slice by slice.
       sharded_inputs: the inputs' axes a device mesh shards, for the one trace being rewritten (set by
         the caller that knows the call's arguments, never by users): no loop slices along them.
+      xla_compiled: whether XLA compiles the trace being rewritten (set by the caller that knows, never
+        by users): where TensorFlow's kernels and XLA's differ, a pass builds the form of the one that runs.
     """
 
     memory_limit_bytes: int | None = None
@@ -167,6 +169,7 @@ class PassOptions:
     check_programs: bool = True
     redraw_random: bool = False
     sharded_inputs: tuple[ShardedAxis, ...] = ()
+    xla_compiled: bool = True
 
 
 class Motive(enum.Enum):

@@ -41,8 +41,9 @@ __all__ = ["Pipeline", "PipelineResult", "PipelineError", "register_pass", "regi
 # must see the cheapest form of each region; packed_cholesky before it too, on a kernel matrix's
 # factor (coupled whole: nothing the splitter could split); blocked_linalg and blocked_top_k after
 # it, on the factorisations, solves and top-k's it left whole (it builds the split ones' slices itself).
-DEFAULT_ORDER: tuple[str, ...] = ("constant_cumsum", "pairwise_distance", "unrolled_reduction", "reduce_of_product",
-                                  "matrix_chain", "packed_cholesky", "splitter", "blocked_linalg", "blocked_top_k")
+DEFAULT_ORDER: tuple[str, ...] = ("random_key", "constant_cumsum", "pairwise_distance", "unrolled_reduction",
+                                  "reduce_of_product", "matrix_chain", "packed_cholesky", "splitter", "blocked_linalg",
+                                  "blocked_top_k")
 
 _REGISTRY: dict[str, type[GraphPass]] = {}
 

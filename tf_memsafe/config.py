@@ -141,7 +141,7 @@ class Options(PassOptions):
         return str(self.memory_limit)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Options)} - {"sharded_inputs"}   # per trace, not an option
+_FIELDS = {f.name for f in dataclasses.fields(Options)} - {"sharded_inputs", "xla_compiled"}   # per trace, not options
 # The on/off switches, from the annotations (``PassOptions`` and ``Options`` both postpone them, so
 # each is the text "bool"): a switch added to either class is checked without a change here.
 _SWITCHES = tuple(f.name for f in dataclasses.fields(Options) if f.type == "bool")
@@ -266,6 +266,8 @@ def _normalise(overrides: dict) -> dict:
         out["memory_limit_bytes"] = None
     if out.pop("sharded_inputs", ()) != ():      # (an Options' own fields given back hold the empty default)
         raise TypeError("sharded_inputs is not an option: tf_memsafe reads it from each call's DTensor inputs")
+    if out.pop("xla_compiled", True) is not True:
+        raise TypeError("xla_compiled is not an option: tf_memsafe reads it from each traced function")
     unknown = sorted(set(out) - _FIELDS)
     if unknown:
         raise TypeError(f"unknown tf_memsafe option(s) {unknown}; known: {sorted(_FIELDS | {'memory_limit'})}")

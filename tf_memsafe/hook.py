@@ -213,7 +213,8 @@ def transform(graph) -> None:
     before = None
     start = time.perf_counter()
     try:
-        opts = dataclasses.replace(_resolved_options(graph), sharded_inputs=sharded)
+        opts = dataclasses.replace(_resolved_options(graph), sharded_inputs=sharded,
+                                   xla_compiled=info.xla_compiled)
         before = _model_estimate(graph)
         traced_ops = len(graph.get_operations())
         result = _pipeline().run(graph, opts)

@@ -383,8 +383,9 @@ def _redraw(op: tf.Operation, axis: int, reseed: Reseed) -> Propagation | Refusa
     def rebuild_at(op, inputs, chunk, offset):
         seed = reseed.tensor if reseed.tensor is not None else tf.zeros([2], tf.int64)
         key = seed + tf.stack([tf.constant(salt, tf.int64), tf.cast(offset, tf.int64)])
+        # Philox by name: with "auto_select", XLA would derive the key inside every element (random_key).
         return [draw(_sizes(dims, axis, chunk, tf.int32, _operand(inputs, 0), op.outputs[0]), seed=key,
-                     dtype=op.get_attr("dtype"))]
+                     dtype=op.get_attr("dtype"), alg="philox")]
 
     return Propagation((None,), (axis,), rebuild_at=rebuild_at)
 
