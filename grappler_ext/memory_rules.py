@@ -442,7 +442,8 @@ _register("RealDiv Div", Rule(Kind.LOOP, in_place=True, expensive=lambda op: not
 # input, stateful or stateless alike); their shape operand is read at compile time.
 _register("RandomUniform RandomStandardNormal TruncatedNormal RandomUniformInt StatelessRandomUniform "
           "StatelessRandomNormal StatelessTruncatedNormal StatelessRandomUniformV2 StatelessRandomNormalV2 "
-          "StatelessTruncatedNormalV2 StatelessRandomUniformIntV2", Rule(Kind.LIBRARY, static_inputs=(0,)))
+          "StatelessTruncatedNormalV2 StatelessRandomUniformIntV2 StatelessRandomUniformFullIntV2 "
+          "StatelessRandomUniformInt StatelessRandomUniformFullInt", Rule(Kind.LIBRARY, static_inputs=(0,)))
 _register("StatelessRandomGetKeyCounter", Rule(Kind.LIBRARY))
 _register("Fill", Rule(Kind.LOOP, static_inputs=(0,)))
 _register("ZerosLike OnesLike", Rule(Kind.LOOP, static_inputs=(0,)))

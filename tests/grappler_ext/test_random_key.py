@@ -178,3 +178,20 @@ class TestMustNotFire:
         self.unchanged(lambda s: tf.random.stateless_uniform([9], s), tf.TensorSpec([2], tf.int64))
         (rec,) = records("skipped")
         assert "TPU" in rec.reason and rec.ops[0].endswith("StatelessRandomGetKeyCounter")
+
+
+def test_the_memory_model_has_a_rule_for_every_op_it_builds():
+    """Else the splitter reads an op of ours it cannot count as its own loops, and plans nothing (a
+    Keras 3 ``fit`` on a ``tf.data`` pipeline of unknown batch was left unsplit that way)."""
+    from grappler_ext import memory_model
+
+    tf_memsafe.enable("1GB", strict=True)
+    try:
+        with hook.use_pipeline(Pipeline([RandomKey()])):
+            graph = tf.function(lambda s: tf.random.stateless_uniform([64], s), jit_compile=True
+                                ).get_concrete_function(tf.TensorSpec([2], tf.int64)).graph
+    finally:
+        tf_memsafe.disable()
+    assert len(records("rewritten")) == 1
+    estimate, _ = memory_model.analyse(graph)
+    assert not estimate.unknown_ops and estimate.peak_bytes is not None
