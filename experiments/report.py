@@ -421,6 +421,24 @@ def compile_time_lines(data: dict) -> list[str]:
                       body)]
 
 
+def random_key_lines(data: dict) -> list[str]:
+    from experiments import random_key
+
+    rows = [random_key.Row(**r) for r in data["rows"]]
+    naive = {r.case: r for r in rows if r.variant == "naive"}
+    body = []
+    for r in rows:
+        base = naive.get(r.case)
+        ratio = r.median_s / base.median_s if r.variant != "naive" and base is not None and base.median_s else None
+        body.append([r.case, r.shape, r.variant, seconds(r.first_call_s), f"{r.median_s * 1e3:.1f} ms",
+                     m.num(ratio, ".3f"), r.rewrites or "-", m.num(r.max_rel_diff, ".1e")])
+    return [f"Float32, limit {data.get('limit')} (every program fits). The first call (trace, rewrite, compile, one "
+            f"call; `keras3_fit`: the first batch), the median of {data.get('repeats')} calls after it (batches), its "
+            "time over the naive one, the passes that rewrote, and the largest difference against the naive "
+            "values (0: bit for bit).", "",
+            *md_table(["case", "shape", "variant", "first call", "median", "/ naive", "rewrites", "rel. diff"], body)]
+
+
 def training_cell(row) -> str:
     """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and the wall time."""
     if row.nit is None:
@@ -498,6 +516,10 @@ EXPERIMENTS = (
                "First calls of Keras attention layers whose causal masks are running sums of ones (Keras 3's "
                "`MultiHeadAttention` with dropout, tf_keras' `Attention`): XLA folds those scans at compile time; "
                "tf_memsafe's `constant_cumsum` makes them broadcast indices.", compile_time_lines),
+    Experiment("random_key", "Stateless random draws", "experiments.random_key", "random_key",
+               "Stateless random draws under XLA with their default `auto_select` algorithm (and Keras 3's `Dropout`, "
+               "which draws that way): XLA derives the key inside every drawn element; tf_memsafe's `random_key` "
+               "makes it once, bit for bit the same.", random_key_lines),
     Experiment("transformer", "Transformer", "experiments.transformer.sweep", "transformer_sweep",
                "The Transformer of TensorFlow's translation tutorial, unchanged, over sequence lengths L: XLA's "
                "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "

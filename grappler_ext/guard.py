@@ -26,7 +26,7 @@ around every pass whose motive is memory:
 
 The pipeline writes the records (in the pass's name, with :class:`Code`), so ``explain()`` says
 why a rewrite that could have fired did not.  Passes that cut FLOPs (``matrix_chain``), compile
-time (``constant_cumsum``) or measured time (``unrolled_reduction``, ``blocked_top_k``, which keeps
+time (``constant_cumsum``) or measured time (``unrolled_reduction``, ``random_key``, ``blocked_top_k``, which keeps
 within the limit by its own count) are not guarded: they pay off within the limit too.  The splitter
 judges its own plans.
 """

@@ -185,7 +185,7 @@ def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, mon
 
     # Every experiment not skipped runs at full size: only the patched ones (and sgpr, missing) are left.
     assert report.main(["--skip", "bench_rewrites", "transformer", "compile_time", "dynamic", "gpr", "wide_layer",
-                        "padded", "distributed", "encoder_layer", "--out", str(tmp_path)]) == 1
+                        "padded", "distributed", "encoder_layer", "random_key", "--out", str(tmp_path)]) == 1
     assert not tf_memsafe.is_enabled()
     text = (tmp_path / "SUMMARY.md").read_text()
     assert "**This run failed**: experiments.knn failed: RuntimeError: its last line" in text
