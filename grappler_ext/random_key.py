@@ -25,11 +25,12 @@ touched.
 Why it is safe: the key and counter are bit-identical.  TensorFlow's XLA bridge picks Philox for
 ``auto_select`` on its CPU and GPU devices (``DefaultRngAlgForDeviceType`` in ``rng_converter_utils.cc``),
 and so do its CPU and GPU kernels; the draws then read the same key and counter, so every drawn value is
-the same, bit for bit (tests compare the two forms under XLA and without it, on seeds of both dtypes,
-negative and large ones included).  The two read a seed differently: XLA's kernel takes the low 32 bits
-of each of its two words (``GetU64FromS32Seeds``), TensorFlow's kernels each word whole, so a negative or
-large seed gives other draws with and without XLA; the pass builds the form of the compiler its program
-goes to (``PassOptions.xla_compiled``, set by the hook).  Neither form has a gradient.
+the same, bit for bit (tests compare the two forms under XLA on seeds of both dtypes, negative and
+large ones included).  XLA's kernel reads a seed by the low 32 bits of each of its two words
+(``GetU64FromS32Seeds``); TensorFlow's kernels read each word whole, so a negative or large seed gives
+other draws with XLA and without it.  The pass builds XLA's form, and only for functions XLA compiles
+(``PassOptions.xla_compiled``, set by the hook): TensorFlow's kernel derives the key once, so a function
+it runs has nothing to gain and is left as it is, with a record.  Neither form has a gradient.
 
 What it does not handle: ``StatelessRandomGetKeyCounterAlg`` (whose algorithm output is also the device's
 choice; ``tf.random`` does not emit it for its draws), ops inside the bodies of loops, conditionals and
@@ -62,18 +63,14 @@ def _words_to_u64(words: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_or(lo, tf.bitwise.left_shift(hi, tf.constant(32, tf.uint64)))
 
 
-def philox_key_counter(seed: tf.Tensor, xla: bool = True) -> tuple[tf.Tensor, tf.Tensor]:
-    """Philox's key ([1] uint64) and counter ([2] uint64) from a [2] int32 or int64 ``seed``, as
-    ``StatelessRandomGetKeyCounter`` gives them where its algorithm is Philox: four words drawn with
-    the seed as counter under a fixed key.  ``xla``: the seed's words as XLA's kernel reads them
-    (the low 32 bits of each); else as TensorFlow's own kernels do (each word whole, sign-extended)."""
-    if xla:
-        words = tf.bitwise.bitwise_and(tf.cast(seed, tf.int64), tf.constant(0xFFFFFFFF, tf.int64))
-        counter = tf.cast(words, tf.uint64)
-    else:
-        counter = tf.cast(seed, tf.uint64)
+def philox_key_counter(seed: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Philox's key ([1] uint64) and counter ([2] uint64) from a [2] int32 or int64 ``seed``, as XLA's
+    ``StatelessRandomGetKeyCounter`` gives them on CPU and GPU: four words drawn with the low 32 bits
+    of each seed word as counter, under a fixed key."""
+    low = tf.bitwise.bitwise_and(tf.cast(seed, tf.int64), tf.constant(0xFFFFFFFF, tf.int64))
     words = tf.raw_ops.StatelessRandomUniformFullIntV2(
-        shape=[4], key=tf.constant([SEED_SCRAMBLE_KEY], tf.uint64), counter=counter, alg=PHILOX, dtype=tf.uint32)
+        shape=[4], key=tf.constant([SEED_SCRAMBLE_KEY], tf.uint64), counter=tf.cast(low, tf.uint64), alg=PHILOX,
+        dtype=tf.uint32)
     key = tf.reshape(_words_to_u64(words[:2]), [1])
     counter = tf.stack([tf.constant(0, tf.uint64), _words_to_u64(words[2:])])
     return key, counter
@@ -95,16 +92,20 @@ class RandomKey(GraphPass):
         result = PassResult(self.name)
         live = live_ops(graph)
         targets = [op for op in graph.get_operations() if op.type == "StatelessRandomGetKeyCounter" and op in live]
-        if not targets:
-            return result
-        if _tpu_visible():
+        refusal = None
+        if not options.xla_compiled:
+            refusal = "compiled by TensorFlow's kernels, which derive the key once: nothing to gain"
+        elif _tpu_visible():
+            refusal = ("a TPU is visible: XLA's auto_select generator there is not Philox, so its key cannot be made "
+                       "by Philox's derivation")
+        if refusal:
             for op in targets:
-                result.skip([op], "a TPU is visible: XLA's auto_select generator there is not Philox, so its key "
-                                  "cannot be made by Philox's derivation")
+                result.skip([op], refusal)
             return result
-        for op in targets:
-            with graph_edit.building(graph, self.name):
-                key, counter = philox_key_counter(op.inputs[0], xla=options.xla_compiled)
+        # Every key built first, then the draws rewired (nothing is rewired if a build fails).
+        with graph_edit.building(graph, self.name):
+            built = [(op, *philox_key_counter(op.inputs[0])) for op in targets]
+        for op, key, counter in built:
             graph_edit.replace_uses(op.outputs[0], key)
             graph_edit.replace_uses(op.outputs[1], counter)
             readers = sorted({c.type for c in key.consumers()})
