@@ -26,6 +26,16 @@ def records(action=None):
             if r.pass_name == "random_key" and (action is None or r.action == action)]
 
 
+def rewritten_graph(fn, *specs, jit=True):
+    """``fn`` traced with the pass alone (``jit``: for XLA, else for TensorFlow's kernels)."""
+    tf_memsafe.enable("1GB", strict=True, rewrite_non_jit=not jit)
+    try:
+        with hook.use_pipeline(Pipeline([RandomKey()])):
+            return tf.function(fn, jit_compile=jit).get_concrete_function(*specs).graph
+    finally:
+        tf_memsafe.disable()
+
+
 def run_both(fn, *args):
     """``fn(*args)`` as traced and as rewritten (a fresh trace each), as NumPy arrays."""
     def call(f):
@@ -85,13 +95,7 @@ def test_every_default_draw_bit_identical(draw):
 
 
 def test_the_key_op_is_gone_and_the_draw_reads_the_philox_words():
-    tf_memsafe.enable("1GB", strict=True)
-    try:
-        with hook.use_pipeline(Pipeline([RandomKey()])):
-            graph = tf.function(lambda s: tf.random.stateless_uniform([64, 64], s), jit_compile=True
-                                ).get_concrete_function(tf.TensorSpec([2], tf.int64)).graph
-    finally:
-        tf_memsafe.disable()
+    graph = rewritten_graph(lambda s: tf.random.stateless_uniform([64, 64], s), tf.TensorSpec([2], tf.int64))
     live = [op for op in graph.get_operations() if op.type == "StatelessRandomGetKeyCounter"
             and any(c for t in op.outputs for c in t.consumers())]
     assert not live, format_graph(graph)
@@ -139,28 +143,16 @@ def test_fires_within_the_limit_in_the_default_pipeline():
 
 
 def test_idempotent():
-    tf_memsafe.enable("1GB", strict=True)
-    try:
-        with hook.use_pipeline(Pipeline([RandomKey()])):
-            graph = tf.function(lambda s: tf.random.stateless_uniform([5], s), jit_compile=True
-                                ).get_concrete_function(tf.TensorSpec([2], tf.int32)).graph
-    finally:
-        tf_memsafe.disable()
+    graph = rewritten_graph(lambda s: tf.random.stateless_uniform([5], s), tf.TensorSpec([2], tf.int32))
     before = format_graph(graph)
     result = RandomKey().run(graph, tf_memsafe.Options())
     assert not result.records and format_graph(graph) == before
 
 
 class TestMustNotFire:
-    def unchanged(self, fn, *specs):
-        naive = format_graph(tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph)
-        tf_memsafe.enable("1GB", strict=True)
-        try:
-            with hook.use_pipeline(Pipeline([RandomKey()])):
-                rewritten = format_graph(tf.function(fn, jit_compile=True).get_concrete_function(*specs).graph)
-        finally:
-            tf_memsafe.disable()
-        assert rewritten == naive
+    def unchanged(self, fn, *specs, jit=True):
+        naive = format_graph(tf.function(fn, jit_compile=jit).get_concrete_function(*specs).graph)
+        assert format_graph(rewritten_graph(fn, *specs, jit=jit)) == naive
 
     @pytest.mark.parametrize("alg", ["philox", "threefry"])
     def test_an_explicit_algorithm_has_no_key_op(self, alg):
@@ -172,15 +164,7 @@ class TestMustNotFire:
         assert not records()
 
     def test_a_function_tensorflows_kernels_run_is_left_and_says_why(self):
-        fn = lambda s: tf.random.stateless_uniform([9], s)          # noqa: E731
-        naive = format_graph(tf.function(fn).get_concrete_function(tf.TensorSpec([2], tf.int64)).graph)
-        tf_memsafe.enable("1GB", strict=True, rewrite_non_jit=True)
-        try:
-            with hook.use_pipeline(Pipeline([RandomKey()])):
-                rewritten = format_graph(tf.function(fn).get_concrete_function(tf.TensorSpec([2], tf.int64)).graph)
-        finally:
-            tf_memsafe.disable()
-        assert rewritten == naive
+        self.unchanged(lambda s: tf.random.stateless_uniform([9], s), tf.TensorSpec([2], tf.int64), jit=False)
         (rec,) = records("skipped")
         assert "TensorFlow's kernels" in rec.reason
 
@@ -196,13 +180,7 @@ def test_the_memory_model_has_a_rule_for_every_op_it_builds():
     Keras 3 ``fit`` on a ``tf.data`` pipeline of unknown batch was left unsplit that way)."""
     from grappler_ext import memory_model
 
-    tf_memsafe.enable("1GB", strict=True)
-    try:
-        with hook.use_pipeline(Pipeline([RandomKey()])):
-            graph = tf.function(lambda s: tf.random.stateless_uniform([64], s), jit_compile=True
-                                ).get_concrete_function(tf.TensorSpec([2], tf.int64)).graph
-    finally:
-        tf_memsafe.disable()
+    graph = rewritten_graph(lambda s: tf.random.stateless_uniform([64], s), tf.TensorSpec([2], tf.int64))
     assert len(records("rewritten")) == 1
     estimate, _ = memory_model.analyse(graph)
     assert not estimate.unknown_ops and estimate.peak_bytes is not None
