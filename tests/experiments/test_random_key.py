@@ -1,4 +1,5 @@
-"""Smoke run of experiments/random_key.py at its quick shapes (nothing timed is asserted)."""
+"""Smoke run of experiments/random_key.py at its quick shapes (nothing timed is asserted): the bare draw and
+Keras 3's ``fit`` (its ``Dropout`` layer alone is checked in tests/grappler_ext/test_random_key.py)."""
 
 import json
 
@@ -6,12 +7,13 @@ from experiments import random_key
 
 
 def test_quick_run_rewrites_the_keys_and_keeps_every_value(tmp_path):
-    random_key.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+    cases = ["uniform", "keras3_fit"]
+    random_key.main(["--quick", "--repeats", "1", "--cases", *cases, "--out", str(tmp_path)])
     with open(tmp_path / "random_key.json", encoding="utf-8") as f:
         results = json.load(f)
     rows = {(r["case"], r["variant"]): r for r in results["rows"]}
-    assert results["quick"] and len(rows) == len(random_key.CASES) * len(random_key.VARIANTS)
-    for case in random_key.CASES:
+    assert results["quick"] and len(rows) == len(cases) * len(random_key.VARIANTS)
+    for case in cases:
         # Only random_key changes these programs, and nothing drawn changes: the values, the losses.
         assert "random_key x" in rows[case, "tf_memsafe"]["rewrites"]
         assert "random_key" not in rows[case, "no_random_key"]["rewrites"] and rows[case, "naive"]["rewrites"] == ""
