@@ -11,12 +11,13 @@ Why: ``tf.random.stateless_uniform(shape, seed)`` and the others with their defa
 derive the generator's key and counter with ``StatelessRandomGetKeyCounter``, which TensorFlow's XLA bridge
 lowers to about 300 scalar HLO instructions (Philox rounds on the seed).  XLA then fuses those scalars into
 the loop fusion that generates the draw's bits, so they run again for every element.  Measured on TF 2.21
-XLA:CPU, run alone (``experiments/random_key.py``): a [8, 8, 108, 512] uniform draw takes 829 ms that way and
-9.6 ms with the key made once; Keras 3's ``Dropout`` layer (``keras.random`` draws with ``auto_select``) on
-[8, 512, 512] takes 519 ms under ``jit_compile=True`` and 7.6 ms without XLA.  The splitter's slices draw
-again in every step of a loop and again in its gradient (``Options.redraw_random``): a tf_keras
-Transformer's training step, split, spent 80 of its 105 s there.  With the key derived by a draw of four
-words, XLA computes it once, outside the fusion.
+XLA:CPU, run alone (``experiments/random_key.py``): a [8, 8, 108, 512] uniform draw takes 839 ms that way and
+9.4 ms with the key made once; Keras 3's ``Dropout`` layer (``keras.random`` draws with ``auto_select``) on
+[8, 512, 512] takes 529 ms under ``jit_compile=True`` (7.6 ms without XLA) and 13.5 ms rewritten; a Keras 3
+``fit`` step with two dropouts 1.33 s and 0.058 s.  The splitter's slices drew again in every step of a loop
+and again in its gradient (``Options.redraw_random``): a tf_keras Transformer's training step, split, spent
+80 of its 105 s there (it now names Philox itself: 12.3 s).  With the key derived by a draw of four words,
+XLA computes it once, outside the fusion.
 
 When it applies: every live ``StatelessRandomGetKeyCounter`` of the graph (int32 or int64 seed, constant or
 not), whatever the limit (:attr:`~grappler_ext.pass_base.Motive.TIME`): its readers (the draws) are not
