@@ -56,6 +56,16 @@ class TestOptionsDataclass:
             {"splitter", "matrix_chain"})
         assert Options(disabled_passes=["splitter"]).disabled_passes == frozenset({"splitter"})
 
+    def test_xla_compiled_is_read_from_each_trace_never_given(self):
+        # Whether XLA compiles a trace is the hook's to set (random_key builds XLA's form), not an option.
+        with pytest.raises(TypeError, match="xla_compiled is not an option"):
+            make_options(xla_compiled=False)
+        with pytest.raises(TypeError, match="xla_compiled is not an option"):
+            tf_memsafe.enable("1GB", xla_compiled=False)
+        assert not tf_memsafe.is_enabled()
+        assert make_options(xla_compiled=True).xla_compiled      # given back field by field: the default
+        assert not dataclasses.replace(Options(), xla_compiled=False).xla_compiled
+
     def test_sharded_inputs_are_read_from_each_call_never_given(self):
         # The axes a DTensor mesh shards are the hook's to set per trace (dtensor_inputs), not an option.
         sharded = (ShardedAxis("x", 0, "b"),)
