@@ -15,8 +15,8 @@ import json
 import os
 import time
 
-__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "StepTimes", "RESULTS", "QUICK_RESULTS",
-           "OUT_HELP"]
+__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "rewrite_counts", "StepTimes", "RESULTS",
+           "QUICK_RESULTS", "OUT_HELP"]
 
 RESULTS = os.path.join("experiments", "results")
 QUICK_RESULTS = os.path.join(RESULTS, "quick")
@@ -50,6 +50,17 @@ def max_rel_diff(got, expected) -> float:
 
     return max(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)) if x.size else 0.0
                for x, y in zip(flat(got), flat(expected)))
+
+
+def rewrite_counts(reports) -> str:
+    """The passes that rewrote in ``reports`` (tf_memsafe's trace reports), with their counts:
+    ``"random_key x2, splitter x1"``; empty where none did."""
+    counts: dict[str, int] = {}
+    for report in reports:
+        for rec in report.records:
+            if rec.action == "rewritten":
+                counts[rec.pass_name] = counts.get(rec.pass_name, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
 
 
 def write_outputs(rows: list, row_type: type, stem: str, meta: dict) -> None:

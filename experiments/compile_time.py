@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from experiments._results import OUT_HELP, machine_meta, max_rel_diff, results_dir, write_outputs
+from experiments._results import OUT_HELP, machine_meta, max_rel_diff, results_dir, rewrite_counts, write_outputs
 
 LAYERS = ("keras3_mha", "tf_keras_attention")
 METHODS = ("naive", "tf_memsafe", "no_constant_cumsum")
@@ -101,13 +101,8 @@ def one(layer: str, length: int, method: str) -> dict:
     start = time.perf_counter()
     compiled(x).numpy()
     second = time.perf_counter() - start
-    counts: dict[str, int] = {}
-    for report in tf_memsafe.reports():
-        for rec in report.records:
-            if rec.action == "rewritten":
-                counts[rec.pass_name] = counts.get(rec.pass_name, 0) + 1
     return {"first_call_s": first, "second_call_s": second, "output": out.tolist(),
-            "rewrites": ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))}
+            "rewrites": rewrite_counts(tf_memsafe.reports())}
 
 
 def _in_fresh_process(layer: str, length: int, method: str, timeout: float) -> dict | None:

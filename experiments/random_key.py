@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # before anything compiles: it manages XLA_FLAGS
+from experiments import _results
 from experiments._results import OUT_HELP, StepTimes, machine_meta, max_rel_diff, results_dir, write_outputs
 
 CASES = ("uniform", "keras3_dropout", "keras3_fit")
@@ -64,12 +65,7 @@ def _enable(variant: str) -> None:
 
 
 def _rewrites(mark) -> str:
-    counts: dict[str, int] = {}
-    for report in tf_memsafe.hook.reports_since(mark):
-        for rec in report.records:
-            if rec.action == "rewritten":
-                counts[rec.pass_name] = counts.get(rec.pass_name, 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    return _results.rewrite_counts(tf_memsafe.hook.reports_since(mark))
 
 
 def _function_case(case: str, quick: bool):

@@ -91,8 +91,12 @@ class RandomKey(GraphPass):
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)
+        # Every trace comes here: the graph is walked and the devices asked only where the op is.
+        targets = [op for op in graph.get_operations() if op.type == "StatelessRandomGetKeyCounter"]
+        if not targets:
+            return result
         live = live_ops(graph)
-        targets = [op for op in graph.get_operations() if op.type == "StatelessRandomGetKeyCounter" and op in live]
+        targets = [op for op in targets if op in live]
         refusal = None
         if not options.xla_compiled:
             refusal = "compiled by TensorFlow's kernels, which derive the key once: nothing to gain"

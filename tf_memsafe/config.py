@@ -141,7 +141,9 @@ class Options(PassOptions):
         return str(self.memory_limit)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Options)} - {"sharded_inputs", "xla_compiled"}   # per trace, not options
+# Fields the hook sets for each trace, never options: their defaults, and where tf_memsafe reads them.
+_PER_TRACE = {"sharded_inputs": ((), "each call's DTensor inputs"), "xla_compiled": (True, "each traced function")}
+_FIELDS = {f.name for f in dataclasses.fields(Options)} - set(_PER_TRACE)
 # The on/off switches, from the annotations (``PassOptions`` and ``Options`` both postpone them, so
 # each is the text "bool"): a switch added to either class is checked without a change here.
 _SWITCHES = tuple(f.name for f in dataclasses.fields(Options) if f.type == "bool")
@@ -264,10 +266,10 @@ def _normalise(overrides: dict) -> dict:
         out["memory_limit_fraction"] = None
     elif "memory_limit_fraction" in out and "memory_limit_bytes" not in out:
         out["memory_limit_bytes"] = None
-    if out.pop("sharded_inputs", ()) != ():      # (an Options' own fields given back hold the empty default)
-        raise TypeError("sharded_inputs is not an option: tf_memsafe reads it from each call's DTensor inputs")
-    if out.pop("xla_compiled", True) is not True:
-        raise TypeError("xla_compiled is not an option: tf_memsafe reads it from each traced function")
+    for name, (default, source) in _PER_TRACE.items():
+        value = out.pop(name, default)           # (an Options' own fields given back hold the default)
+        if value != default or type(value) is not type(default):
+            raise TypeError(f"{name} is not an option: tf_memsafe reads it from {source}")
     unknown = sorted(set(out) - _FIELDS)
     if unknown:
         raise TypeError(f"unknown tf_memsafe option(s) {unknown}; known: {sorted(_FIELDS | {'memory_limit'})}")

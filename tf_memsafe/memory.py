@@ -254,7 +254,8 @@ def live_definition(graph) -> graph_pb2.GraphDef:
     definition = graph_pb2.GraphDef(versions=whole.versions)
     definition.node.extend(nodes)
     definition.library.function.extend(library[name] for name in sorted(called))
-    definition.library.gradient.extend(g for g in whole.library.gradient if g.function_name in set(called))
+    called_names = set(called)
+    definition.library.gradient.extend(g for g in whole.library.gradient if g.function_name in called_names)
     return definition
 
 
