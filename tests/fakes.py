@@ -1,4 +1,4 @@
-"""Test-only passes: they exercise the pipeline and the hook, and never ship in the package."""
+"""Test-only passes and pipelines: they exercise the pipeline and the hook, and never ship in the package."""
 
 from __future__ import annotations
 
@@ -137,3 +137,13 @@ def raises(error: Exception):
         raise error
 
     return fail
+
+
+def always_split():
+    """The product's pipeline with loops split at every run-time size (``Tuning.whole_at_run`` 0), for
+    tests of a loop's slices at sizes where the program as written fits too (where the product runs
+    the loops in one step: tests/grappler_ext/splitter/test_whole_at_run.py)."""
+    from grappler_ext.splitter import Tuning
+    from tf_memsafe import hook
+
+    return hook.use_pipeline(hook.product_pipeline(Tuning(whole_at_run=0)))

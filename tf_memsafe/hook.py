@@ -98,19 +98,20 @@ def _depth() -> int:
     return getattr(_local, "depth", 0)
 
 
-def product_pipeline() -> Pipeline:
-    """The product's pipeline, composed: grappler_ext's passes, the splitter and the pipeline's memory
-    guard given XLA's figures (:class:`tf_memsafe.memory.XlaMeasurer`).  Every pass holds only what it
-    was built with, so one
+def product_pipeline(tuning=None) -> Pipeline:
+    """The product's pipeline, composed: grappler_ext's passes, the splitter (with ``tuning``, by default
+    :data:`~grappler_ext.splitter.DEFAULT_TUNING`) and the pipeline's memory guard given XLA's figures
+    (:class:`tf_memsafe.memory.XlaMeasurer`).  Every pass holds only what it was built with, so one
     pipeline serves every thread that traces."""
     from grappler_ext.guard import Guard
     from grappler_ext.splitter import DEFAULT_TUNING, Splitter
     from tf_memsafe.memory import XlaMeasurer  # memory imports this module (hook.suspended)
 
+    tuning = DEFAULT_TUNING if tuning is None else tuning
     measurer = XlaMeasurer()
     # The guard's margins are the splitter's: the two agree on what fits.
-    guard = Guard(measurer, trust=DEFAULT_TUNING.model_trust, check_from=DEFAULT_TUNING.check_from)
-    return default_pipeline({"splitter": Splitter(measurer=measurer)}, guard=guard)
+    guard = Guard(measurer, trust=tuning.model_trust, check_from=tuning.check_from)
+    return default_pipeline({"splitter": Splitter(measurer=measurer, tuning=tuning)}, guard=guard)
 
 
 def _pipeline() -> Pipeline:

@@ -18,7 +18,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, outcome, search
+from grappler_ext.splitter import analysis, mechanism, nominal, outcome, search, whole_at_run
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
@@ -118,7 +118,10 @@ class _Run:
             est, info = memory_model.analyse(self.graph)
             journal = graph_edit.active_journal()
             mark = len(journal) if journal is not None else None
-            result = self._run(est, info)
+            peak = whole_at_run.peak_of_program(self.graph, est)      # the program as written, by run-time size
+            threshold = self.tuning.whole_at_run * self.limit
+            with whole_at_run.active(peak, at.table, threshold):
+                result = self._run(est, info)
         if not result.changed:
             if journal is not None:
                 journal.undo(to=mark)
@@ -127,7 +130,8 @@ class _Run:
             return None
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, where what grows with them is {self.tuning.dynamic_over:g} x the limit; the "
-                               "loops take their lengths from the shapes when the function runs",
+                               "loops take their lengths from the shapes when the function runs"
+                               f"{whole_at_run.note(peak, at, threshold, self.limit)}",
                            code=Code.DYNAMIC_SHAPES)
         result.records.remove(note)
         result.records.insert(0, note)

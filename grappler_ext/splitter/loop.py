@@ -61,7 +61,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from grappler_ext import folding
-from grappler_ext.splitter import replay
+from grappler_ext.splitter import replay, whole_at_run
 from grappler_ext.splitter.combiners import Combiner, RunSpec, write_slice
 from grappler_ext.splitter.rules import clone_op
 from grappler_ext.splitter.scaling import Scaling
@@ -335,6 +335,11 @@ def _scaled(region: Region, length, chunks: Sequence[int], specs):
     # (the gradient's chunk as much smaller than the forward's as it was planned)
     scaled = [chunk] + [tf.maximum(tf.cast(tf.floor(tf.cast(chunk, tf.float64) * (c / chunks[0])), tf.int32),
                                    region.least_chunk) for c in chunks[1:]]
+    whole = whole_at_run.fits()
+    if whole is not None and length is not None:
+        # The program as written fits at the run's sizes: one step (.whole_at_run), forward and gradient.
+        most = tf.maximum(tf.cast(length, tf.int32), region.least_chunk)
+        scaled = [tf.where(whole, most, c) for c in scaled]
     return scaled, specs
 
 

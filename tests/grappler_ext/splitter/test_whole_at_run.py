@@ -1,0 +1,161 @@
+"""Loops that run in one step where the program as written fits at the sizes it runs at (:mod:`.whole_at_run`).
+
+A padded batch's attention (``[B, L, L]`` scores from ``[None, None, 16]`` inputs) is planned at nominal
+sizes where it is over its limit; at the sizes it runs at, XLA compiles one program per shape, and
+where the program as written fits, its loops are one step: XLA's figure is the unsplit program's, each
+loop of its optimised HLO runs once (XLA keeps the loop of one step), and its values and gradients are
+the unsplit ones.  Where it does not fit,
+the loops split as planned, within the limit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext import memory_model, shapes
+from grappler_ext.splitter import Tuning, nominal, whole_at_run
+from grappler_ext.splitter.outcome import Code
+from tests.grappler_ext.splitter.test_dynamic import PADDED, _batch, _close, _padded, attention_loss, attention_step
+
+
+@pytest.fixture(scope="module")
+def limit():
+    return tf_memsafe.memory_footprint(tf.function(attention_loss), _batch(4, 512), rewrite=False) // 8
+
+
+def trip_counts(f, x) -> list[int]:
+    """For each while loop of ``f``'s optimised HLO at ``x``'s shape, the largest int constant its
+    condition (and what it calls) compares with: its trip count, for these loops (``i < steps``)."""
+    hlo = f.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    computations = {}
+    for block in hlo.split("\n\n"):
+        found = re.match(r"\s*(?:ENTRY\s+)?%([\w.\-]+)\s", block)
+        if found:
+            computations[found.group(1)] = block
+
+    def constants(name, seen):
+        if name in seen or name not in computations:
+            return []
+        seen.add(name)
+        text = computations[name]
+        values = [int(c) for c in re.findall(r"s32\[\] constant\((\d+)\)", text)]
+        return values + [v for callee in re.findall(r"calls=%([\w.\-]+)", text) for v in constants(callee, seen)]
+
+    return [max(constants(c, set()) or [-1]) for c in re.findall(r" while\(.*?condition=%([\w.\-]+)", hlo)]
+
+
+def _footprint(f, spec, limit) -> int:
+    tf_memsafe.enable(limit)
+    try:
+        return tf_memsafe.memory_footprint(f, spec)
+    finally:
+        tf_memsafe.disable()
+
+
+def test_a_run_the_program_as_written_fits_runs_each_loop_once(limit):
+    """Where the memory model puts the program as written within 0.8 of the limit (at the batch of 8,
+    lengths up to 89 here), every loop is one step, XLA's figure is the unsplit program's (give or take
+    the loop's buffers), and values and gradients are the unsplit ones; 12x over, the loops split as
+    planned, within the limit."""
+    f, records = _padded(attention_step, limit, split_always=False)
+    assert records[0].code == Code.DYNAMIC_SHAPES and "each loop runs in one step" in records[0].reason, \
+        records[0].reason
+    assert any(r.code == Code.SPLIT for r in records)
+    naive = tf.function(attention_step, jit_compile=True)
+    for b, n in ((1, 1), (2, 7), (4, 64), (8, 80)):
+        x = _batch(b, n)
+        spec = tf.TensorSpec([b, n, 16])
+        before = tf_memsafe.memory_footprint(f, spec, rewrite=False)
+        assert trip_counts(f, x) and set(trip_counts(f, x)) == {1}, (b, n, trip_counts(f, x))
+        assert before <= limit and _footprint(f, spec, limit) <= 1.1 * before + 4096, (b, n, before)
+        _close(f(x), naive(x), f"[{b}, {n}]")
+    for b, n in ((4, 512), (16, 256)):
+        x = _batch(b, n)
+        assert max(trip_counts(f, x)) > 1, (b, n)
+        assert _footprint(f, tf.TensorSpec([b, n, 16]), limit) <= limit, (b, n)
+        _close(f(x), naive(x), f"[{b}, {n}]")
+
+
+def test_with_whole_at_run_off_a_run_that_fits_is_still_split(limit):
+    f, records = _padded(attention_step, limit)         # (the product's pipeline, whole_at_run 0)
+    assert "one step" not in records[0].reason
+    for b, n in ((4, 64), (8, 80)):
+        x = _batch(b, n)
+        assert max(trip_counts(f, x)) > 1, (b, n)
+        _close(f(x), tf.function(attention_step, jit_compile=True)(x), f"[{b}, {n}] split")
+
+
+def _peak_and_table(fn, size=256):
+    graph = tf.function(fn).get_concrete_function(*PADDED).graph
+    at = nominal.Nominal(graph)
+    with at.sizes(size):
+        est, _ = memory_model.analyse(graph)
+        return graph, at, whole_at_run.peak_of_program(graph, est)
+
+
+@pytest.mark.parametrize("fn", [attention_loss, attention_step], ids=lambda f: f.__name__)
+def test_the_count_at_other_sizes_is_the_models(fn):
+    """The symbolic count, read at sizes other than the nominal ones, against the memory model run at
+    those sizes: within 5 % (what differs is the model's fusion of small tensors)."""
+    graph, at, peak = _peak_and_table(fn)
+    assert peak is not None and len(peak.signatures) >= 2, peak
+    for b, n in ((8, 256), (2, 64), (16, 1024), (1, 3000)):
+        with shapes.nominal(n, at.table, {k: b for k in at.batch}):
+            est, _ = memory_model.analyse(graph)
+        assert est.peak_bytes * 0.95 <= peak.at({k: (b if k in at.batch else n) for k, _ in peak.nominal}) \
+            <= est.peak_bytes * 1.05, (b, n)
+
+
+def test_the_run_time_count_is_the_python_one():
+    """The count built as ops (what XLA resolves) equals :meth:`Peak.at` at the same sizes."""
+    _, at, peak = _peak_and_table(attention_step)
+
+    @tf.function(input_signature=PADDED)
+    def count(x):
+        return peak.run_bytes(shapes.Symbols(at.table.names, at.table.count, {
+            k: [(x, axis) for _, axis in at.table.sources[k]] for k in at.table.sources}))
+
+    for b, n in ((3, 40), (8, 700)):
+        got = float(count(tf.zeros([b, n, 16])))
+        want = peak.at({k: (b if k in at.batch else n) for k, _ in peak.nominal})
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_the_kept_steps_are_those_no_other_holds_more_of_every_kind():
+    rows = np.array([[3.0, 1.0], [1.0, 3.0], [2.0, 1.0], [3.0, 1.0], [0.0, 0.0], [2.0, 2.0]])
+    kept = {tuple(r) for r in whole_at_run._pareto(rows)}
+    assert kept == {(3.0, 1.0), (1.0, 3.0), (2.0, 2.0)}
+    # More than `most` kept: their element-wise maximum, an upper bound of each.
+    assert whole_at_run._pareto(rows, 2).tolist() == [[3.0, 3.0]]
+
+
+def test_largest_size_and_the_note():
+    # 1000 B fixed and b n^2 bytes live, planned at b = 8, n = 100: at the batch of 8, 1000 + 8 s^2 <= 81000
+    # up to s = 100
+    peak = whole_at_run.Peak(signatures=(((), 0), (((0, 1), (1, 2)), 0)), fixed=(1000.0, 0.0),
+                             steps=((0.0, 8 * 100.0**2),), nominal=((0, 8), (1, 100)))
+    assert whole_at_run.largest_size(peak, lambda s: {0: min(s, 8)}, 81_000) == 100
+    assert whole_at_run.largest_size(peak, lambda s: {0: min(s, 8)}, 999) == 0
+
+    class At:
+        batch = frozenset({0})
+
+        @staticmethod
+        def values(s):
+            return {0: min(s, 8)}
+
+    assert "up to about 100" in whole_at_run.note(peak, At, 81_000, 101_250)
+    assert whole_at_run.note(peak, At, 0, 101_250) == ""
+    assert "keep their chunks" in whole_at_run.note(None, At, 81_000, 101_250)
+
+
+def test_tuning_whole_at_run_accepts_zero_and_refuses_what_is_not_a_share():
+    assert Tuning(whole_at_run=0).whole_at_run == 0
+    for bad in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="whole_at_run"):
+            Tuning(whole_at_run=bad)
