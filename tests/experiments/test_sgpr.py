@@ -26,7 +26,14 @@ def read_csv(path):
         return reader.fieldnames, list(reader)
 
 
+@pytest.mark.heavy
 def test_quick_run_fits_the_limit_and_equals_the_naive_program(tmp_path):
+    """``heavy`` (56 s, left out of the default run: ``python -m tests -m heavy`` runs it).  SGPR's
+    loss and gradients split within the limit and equal to the naive program's, its predictions
+    split, and L-BFGS through the split program to the naive ELBO, are checked by
+    tests/integration/test_sgpr.py (the loss with the tape inside and outside, the predictions,
+    Scipy's training for 3 iterations and to convergence); this run is measured by
+    ``python -m experiments.sgpr``, and this module's other tests run its code on small sizes."""
     # (one M: the quick run's M = 100 as well took the suite two minutes more)
     assert sgpr.main(["--quick", "--inducing", "50", "--out", str(tmp_path)]) == 0
     fields, rows = read_csv(tmp_path / "sgpr.csv")

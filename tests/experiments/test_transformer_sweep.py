@@ -1,8 +1,12 @@
 """Smoke run of experiments/transformer/sweep.py at its --quick sizes, and the data module's loading paths.
 
-Nothing timed is asserted.  The quick sweep's one-layer model under an 8 MB limit, at its shortest
-length and at 512, where the naive training step needs 26 MB and the split one fits (tf_memsafe's
-rows compute what the naive ones do; its 1024 as well took the suite 40 s more).
+Nothing timed is asserted.  The quick sweep's one-layer model under an 8 MB limit: the forward at its
+shortest length and at 512, where the naive forward needs 9.4 MiB and the split one fits; the training
+step at the shortest length only (tf_memsafe's rows compute what the naive ones do; its 1024 as well
+took the suite 40 s more).  The training step split at 512 cost this module 45 s more, compiled and
+planned a dozen times over: tests/integration/test_transformer.py trains the same model split at
+L = 1024 (over its limit naive, within it split) to the naive losses and weights, and
+test_dropout_on_the_attentions_are_split_with_masks_drawn_by_slice below (``heavy``) splits it at 512.
 """
 
 import csv
@@ -16,12 +20,14 @@ import tensorflow_datasets as tfds
 from experiments.transformer import data, sweep
 
 LENGTHS = (sweep.PRESETS["quick"].lengths[0], 512)
+TRAIN_LENGTHS = LENGTHS[:1]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("transformer_sweep")
-    assert sweep.main(["--quick", "--lengths", *map(str, LENGTHS), "--out", str(out)]) == 0
+    assert sweep.main(["--quick", "--lengths", *map(str, LENGTHS), "--train-lengths", *map(str, TRAIN_LENGTHS),
+                       "--out", str(out)]) == 0
     with open(out / "transformer_sweep_quick.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return out, rows
@@ -31,7 +37,8 @@ def test_quick_run_writes_csv_json_and_plot(quick_run):
     out, rows = quick_run
     assert list(rows[0]) == [f.name for f in dataclasses.fields(sweep.Row)]
     cases = {(r["mode"], r["variant"], int(r["length"])) for r in rows}
-    assert cases == {(m, v, n) for m in sweep.MODES for v in sweep.VARIANTS for n in LENGTHS}
+    assert cases == {(m, v, n) for m in sweep.MODES for v in sweep.VARIANTS for n in LENGTHS
+                     if m != "train" or n in TRAIN_LENGTHS}
     for r in rows:
         assert int(r["footprint_bytes"]) > 0 and r["limit_bytes"] == "8000000"
         assert r["within_limit"] == str(int(r["footprint_bytes"]) <= 8_000_000)
@@ -57,11 +64,18 @@ def test_quick_run_fits_where_naive_does_not(quick_run):
     assert all(int(r["splits"]) >= 1 and r["status"] == "rewritten" for r in beyond)
 
 
-
+@pytest.mark.heavy
 def test_dropout_on_the_attentions_are_split_with_masks_drawn_by_slice(tmp_path):
     """``--dropout 0.1``: the attention's dropout draw sits inside every attention region; tf_memsafe
     runs with ``redraw_random=True`` and splits them all the same, and the training loss is not
-    compared (the masks are other draws)."""
+    compared (the masks are other draws).
+
+    ``heavy`` (75 s, left out of the default run: ``python -m tests -m heavy`` runs it): a training
+    step with dropout split with masks drawn by slice, within the limit of the step without, is
+    checked by tests/integration/test_encoder_layer.py's
+    test_a_step_with_dropout_fits_the_limit_of_the_step_without (both Kerases), and Keras 3's
+    attention with dropout split by test_keras3_model_with_dropout_is_split_and_equal below; this
+    sweep is measured by ``python -m experiments.transformer.sweep --dropout 0.1``."""
     # (at L = 512 the naive step is 26 MB against the 8 MB limit: over, as at 1024, in half the time)
     assert sweep.main(["--quick", "--lengths", "512", "--modes", "train", "--dropout", "0.1",
                        "--out", str(tmp_path)]) == 0
@@ -123,6 +137,7 @@ def test_keras3_model_with_dropout_is_split_and_equal(tmp_path):
     assert tfms["splits"] >= 1
 
 
+@pytest.mark.heavy
 def test_tfdata_pipeline_fits_the_tutorials_way_within_the_limit(tmp_path, keras="3"):
     """``--pipeline tfdata``: the model compiled with the masked loss and accuracy and warm-up Adam, and
     trained with ``fit(jit_compile=True)`` on padded batches of 4 whose sizes Keras traces as ``None``.
@@ -130,7 +145,13 @@ def test_tfdata_pipeline_fits_the_tutorials_way_within_the_limit(tmp_path, keras
     nominal sizes, is within it and trains, every program ``fit`` compiles within the limit too.
     Keras 3 (what ``tf.keras`` is): tf_keras' fit on padded batches, and the losses of such a fit equal
     to the unsplit fit's, are tested in tests/integration/test_padded_batches.py (a whole sweep of each
-    Keras would cost CI minutes)."""
+    Keras would cost CI minutes).
+
+    ``heavy`` (70 s, left out of the default run: ``python -m tests -m heavy`` runs it): Keras 3's and
+    tf_keras' ``fit(jit_compile=True)`` on padded batches whose sizes are traced as ``None``, split
+    within the limit with the unsplit fit's losses, are checked by
+    tests/integration/test_padded_batches.py::test_fit_on_padded_batches_is_split_within_the_limit;
+    this pipeline is measured by ``python -m experiments.transformer.sweep --pipeline tfdata``."""
     assert sweep.main(["--quick", "--pipeline", "tfdata", "--modes", "train", "--batch", "4", "--keras", keras,
                        "--lengths", "256", "--out", str(tmp_path)]) == 0
     stem = "transformer_sweep" + ("_keras3" if keras == "3" else "") + "_tfdata_quick"

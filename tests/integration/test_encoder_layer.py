@@ -34,6 +34,7 @@ import tf_memsafe
 from experiments.encoder_layer import BATCH, D_MODEL, encoder_layer
 from grappler_ext.splitter.outcome import Code
 from tests.integration.keras_fit import fit_under, keras_of
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook, xla_flags
 
 pytestmark = pytest.mark.slow
@@ -54,11 +55,10 @@ def _run(fn, x, limit, compare=True, **options):
     mark = hook.report_mark()
     tf_memsafe.enable(limit, strict=True, **options)
     try:
-        got = tf.function(fn, jit_compile=True)(x)
-        after = tf_memsafe.memory_footprint(fn, x)
+        # (XLA's figure of the very program run, not of a fresh trace planned again: tests/xla_run.py)
+        got, after = run_and_measure(tf.function(fn, jit_compile=True), x)
     finally:
         tf_memsafe.disable()
-    # (the call's trace: memory_footprint traces again)
     records = [r for r in hook.reports_since(mark)[0].records if r.pass_name == "splitter"]
     if not compare:
         return after, records

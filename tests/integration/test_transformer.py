@@ -20,6 +20,7 @@ import tf_keras as keras
 
 import tf_memsafe
 from experiments.transformer import data, model
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook, xla_flags
 
 B, L, VOCAB, LIMIT = 2, 1024, 100, 12 * 10**6
@@ -92,14 +93,13 @@ def test_forward_equals_naive_and_fits_the_limit(net, batch):
     def forward(c, t):
         return net((c, t), training=False)
 
-    expected = tf.function(forward, jit_compile=True)(context, target_in)
-    naive_bytes = tf_memsafe.memory_footprint(forward, context, target_in, rewrite=False)
+    # (XLA's figures of the very programs run: tests/xla_run.py)
+    expected, naive_bytes = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
     tf_memsafe.enable(LIMIT, strict=True)
-    got = tf.function(forward, jit_compile=True)(context, target_in)
+    got, after = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
     splits = splitter_rewrites()
     assert len(attentions_in_loops(splits)) == 3 and len(splits) <= 3, splitter_skips()[:3]
     assert_close(got, expected)
-    after = tf_memsafe.memory_footprint(forward, context, target_in)
     assert naive_bytes > 4 * LIMIT
     assert after <= LIMIT, (after, [r.reason for r in splits])
 
@@ -115,19 +115,17 @@ def test_a_program_the_model_puts_within_the_limit_is_checked_with_xla_and_split
         return net((c, t), training=False)
 
     limit = 48 * 10**6
-    expected = tf.function(forward, jit_compile=True)(context, target_in)
-    naive_bytes = tf_memsafe.memory_footprint(forward, context, target_in, rewrite=False)
+    expected, naive_bytes = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
     tf_memsafe.enable(limit, strict=True, check_programs=False)
     tf.function(forward, jit_compile=True).get_concrete_function(context, target_in)
     assert not splitter_rewrites() and any(r.startswith("already within the limit") for r in splitter_skips())
     hook.clear_reports()
     tf_memsafe.enable(limit, strict=True)
-    got = tf.function(forward, jit_compile=True)(context, target_in)
+    got, after = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
     checked = [r for r in splitter_skips() if "XLA's figure for the program as written" in r]
     assert len(checked) == 1 and f"is {naive_bytes:,} B" in checked[0], splitter_skips()[:3]
     assert splitter_rewrites()
     assert_close(got, expected)
-    after = tf_memsafe.memory_footprint(forward, context, target_in)
     assert naive_bytes > limit >= after, (naive_bytes, after)
 
 
