@@ -122,6 +122,7 @@ class _Run:
             threshold = self.tuning.whole_at_run * self.limit
             with whole_at_run.active(peak, at.table, threshold):
                 result = self._run(est, info)
+                dispatched = self._dispatch(result) if result.changed else 0
         if not result.changed:
             if journal is not None:
                 journal.undo(to=mark)
@@ -131,12 +132,29 @@ class _Run:
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, where what grows with them is {self.tuning.dynamic_over:g} x the limit; the "
                                "loops take their lengths from the shapes when the function runs"
-                               f"{whole_at_run.note(peak, at, threshold, self.limit)}",
+                               f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",
                            code=Code.DYNAMIC_SHAPES)
         result.records.remove(note)
         result.records.insert(0, note)
         self.pending = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in self.pending]
         return result
+
+    def _dispatch(self, result: PassResult) -> int:
+        """Each loop that may give way to its region as written at run time (:mod:`.whole_at_run`) does;
+        how many.  Where that fails, the loops stay as built (each runs in one step where the program
+        fits), and ``result`` says why."""
+        journal = graph_edit.active_journal()
+        with graph_edit.journaled(graph_edit.Journal()) if journal is None else contextlib.nullcontext():
+            journal = graph_edit.active_journal()
+            mark = len(journal)
+            try:
+                return whole_at_run.install(self.graph, self.name)
+            except (ValueError, TypeError, KeyError, LookupError, NotImplementedError) as e:
+                journal.undo(to=mark)
+                result.skip([], f"the loops cannot give way to the program as written at run time "
+                                f"({type(e).__name__}: {str(e).splitlines()[0]}): each runs in one step where it "
+                                "fits", code=Code.DYNAMIC_SHAPES)
+                return 0
 
     def _run(self, est, info) -> PassResult:
         result, limit, t = self.result, self.limit, self.tuning

@@ -20,7 +20,7 @@ from grappler_ext import blocked_top_k, gradients, graph_edit, shapes, variable_
 from grappler_ext.graph_query import ancestors, live_ops, topological_order
 from grappler_ext.measure import Measurer
 from grappler_ext.op_types import LOOP_TYPES, static_shape_reader
-from grappler_ext.splitter import analysis, combiners, rules, slicing, tiled_loop, tiling
+from grappler_ext.splitter import analysis, combiners, rules, slicing, tiled_loop, tiling, whole_at_run
 from grappler_ext.splitter.analysis import const_axes, shape_reader
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import Region, build_split, external_inputs, forward_program, fused_program
@@ -230,11 +230,12 @@ def computed_share(options, region: Region, planned, backward: frozenset = froze
 
 
 def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False,
-          tiled: tuple[TilePlan, TilePlan] | None = None) -> list[tf.Tensor]:
+          tiled: tuple[TilePlan, TilePlan] | None = None, dispatch=None) -> list[tf.Tensor]:
     """The loop for ``region`` in ``plan``'s chunks (its gradient in ``backward_chunk``), built in
     the default graph: the roots' outputs, in order.  ``fused``: the gradients computed in the same
     loop, in ``plan``'s chunks (where :func:`fusable`); ``tiled``: an attention's loop in these tiles
-    (:func:`tiles`)."""
+    (:func:`tiles`); ``dispatch``: the loop may give way to the region as written at run time
+    (:mod:`.whole_at_run`), and reads its inputs through gates."""
     combiner, specs, differentiable, counts = combined(options, region, plan)
     target = (loop_fusable(combiner, specs, _per_partial(gradient_free(options), combiner, specs))
               if fused and differentiable else None)
@@ -244,7 +245,8 @@ def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: 
         outputs = tiled_loop.build_tiled(region, *tiled, combiner, specs, differentiable=differentiable)
     else:
         outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
-                              backward_chunk=backward_chunk, fused=target)
+                              backward_chunk=backward_chunk, fused=target,
+                              values=whole_at_run.loop_values(dispatch, external_inputs(region)))
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]

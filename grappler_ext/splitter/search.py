@@ -16,7 +16,7 @@ import dataclasses
 
 from grappler_ext import graph_edit
 from grappler_ext.op_types import nbytes
-from grappler_ext.splitter import analysis, mechanism, nested_loop, nesting, policy, rules, sharding
+from grappler_ext.splitter import analysis, mechanism, nested_loop, nesting, policy, rules, sharding, whole_at_run
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import Code, LoopPlan, Sizing, Why
 
@@ -116,6 +116,7 @@ class RegionSearch:
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         existing = set(graph.get_operations())
+        dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
             grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, per_unit)
         try:
@@ -124,12 +125,15 @@ class RegionSearch:
                     # One seed a call, outside the loop: its slices' draws, forward and gradient, key on it.
                     self.reseed.tensor = mechanism.call_seed()
                 tiled = mechanism.tiles(options, grown.region, chunks, backward_chunk, fused is not None)
-                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused is not None, tiled)
+                dispatch = whole_at_run.dispatch_for(grown.region) if tiled is None else None
+                outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused is not None, tiled,
+                                          dispatch)
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:
             self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                              code=Code.BUILD_FAILED)
             return None
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
+        whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + roots)
         forward_loops = mechanism.new_loops(graph, existing)
         try:
             rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0

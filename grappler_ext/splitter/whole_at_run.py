@@ -1,8 +1,9 @@
-"""Loops run in one step where the program as written fits at the sizes it runs at.
+"""Loops that give way to the program as written where it fits at the sizes it runs at.
 
+    y = where(fits, region(gate(x, fits)), loop(gate(x, not fits)))       one loop's readers read y
+    fits = peak(run sizes) <= Tuning.whole_at_run x limit
     peak(s) = fixed(s) + max over the schedule of the bytes live at each step, each buffer's bytes
               at the nominal sizes n times prod_k (s_k / n_k) ** power_k
-    chunk   = length  where peak(run sizes) <= Tuning.whole_at_run x limit,  else the planned chunk
 
 A function with dimensions known only at run time (a padded ``tf.data`` batch) is planned at
 nominal sizes (:mod:`.nominal`), where the program is over its limit by construction, and its loops
@@ -11,29 +12,36 @@ nominal sizes: a Transformer's training step on batches of 8 sentences of 256 to
 under a 2 GB limit, and was split all the same into eleven loops of a hundred rows (4.8 s a step
 against 1.8 s as written).  XLA compiles the function once per concrete shape and resolves
 shape-derived values then, so a predicate computed from the inputs' shapes is a compile-time
-constant: each loop's chunk becomes the whole length where the program as written is within the
-limit at those sizes, and the loop is one step (XLA keeps a loop of one iteration: a padded attention's
-training step measured 1.02-1.08x the unsplit figure at such sizes, the loop's own buffers).
+constant, and a ``select`` on it is folded to the side it picks: what only the other side reads is
+dead, and XLA removes it, loops included.
+
+So each loop's readers read ``where(fits, region as written, loop)`` (:func:`install`, after the plan):
+the region's ops stay in the graph, reading their inputs through *gates*, identities whose gradient
+passes where ``fits`` holds and is zero elsewhere, and the loop reads its inputs through gates open
+where it does not; the gradients inside the function are then differentiated again through both
+sides.  Where the program fits, XLA keeps the region as written and its gradient and drops the loop's
+forward and gradient: the program is the unsplit one, to the byte and to the bit (tested).  Elsewhere
+it keeps the loop and drops the region.  A loop that cannot give way (its region holds a stateful
+op, which XLA keeps even where nothing reads it, or writes a variable in place) takes the whole length
+as its chunk where the program fits (:func:`~.loop._scaled`), and runs once.
 
 The predicate is the memory model's count of the program as written (:mod:`grappler_ext.memory_model`),
 read symbolically: every buffer's bytes at the nominal sizes and how they grow with the run-time sizes
 (the monomials of :func:`grappler_ext.shapes.symbols`; a dimension that is not such a product grows as
 the fastest of them).  The schedule's steps are kept where no other step holds at least as many bytes
-of every kind of growth (a Pareto set; the element-wise maximum where that set is large, an upper
+of every kind of growth (a Pareto set; their element-wise maximum where that set is large, an upper
 bound), so the count at the run's sizes is exact for the model, not a straight line through two sizes.
 
-Why it is safe: a loop of one step computes exactly what its slices do; its gradient recomputes the
-region whole (the region's tensors are held during its own gradient only, not from the forward to the
-backward).  The model is 0.75-1.1x XLA's figure on its test workloads (1.08x on that training step),
-so the threshold is a share of the limit (:attr:`~.tuning.Tuning.whole_at_run`, ``model_trust``'s
+Why it is safe: the model is 0.75-1.1x XLA's figure on its test workloads (1.08x on that training
+step), so the threshold is a share of the limit (:attr:`~.tuning.Tuning.whole_at_run`, ``model_trust``'s
 0.8 by default); 0 turns this off.  Where the model cannot count the program as written (an op
 without a byte rule), nothing is decided at run time: the loops keep their planned chunks.
 
 What it does not do: a region whose slices have no run-time size beside the split axis keeps its
-static chunk (its loop's shapes are static; see :func:`~.loop._scaled`); and a one-step loop still
-recomputes its region in the gradient, so a training step run whole costs one more forward pass of
-its split regions than as written (the cond between the region as written and its loop, which would
-cost nothing, needs the region's gradient kept inside the cond's branch).
+static chunk (its loop's shapes are static).  A tape outside the function (TensorFlow builds its
+backward as a function of its own, where ``fits`` is an input, not a constant) gets the loop's
+gradient alone, recomputing the region, in one step where the program fits: the forward then holds
+nothing of the region as written for the backward.
 """
 
 from __future__ import annotations
@@ -41,14 +49,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops
 
-from grappler_ext import shapes
+from grappler_ext import gradients, graph_edit, graph_query, shapes
 
-__all__ = ["Peak", "peak_of_program", "active", "fits", "max_pareto"]
+__all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch_for", "loop_values", "record",
+           "install", "largest_size", "note", "max_pareto"]
 
 # More kept steps than this: their element-wise maximum instead (an upper bound of each).
 max_pareto = 64
@@ -177,6 +188,28 @@ def peak_of_program(graph, est) -> Peak | None:
 
 # --- the plan in effect while its loops are built ------------------------------------------------
 
+
+@dataclasses.dataclass
+class Dispatch:
+    """One loop that may give way to its region as written: the region's ops (roots included), the
+    roots' outputs as written (``old``) and the loop's in their place (``new``), and the predicate
+    that opens the gradient into the loop's inputs (``None``: always open, until :func:`install`)."""
+
+    ops: frozenset = frozenset()
+    old: list = dataclasses.field(default_factory=list)
+    new: list = dataclasses.field(default_factory=list)
+    loop_open: tf.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _State:
+    peak: Peak
+    table: shapes.Symbols
+    threshold: float
+    made: dict = dataclasses.field(default_factory=dict)        # graph id -> (graph, its predicate)
+    pending: list = dataclasses.field(default_factory=list)     # Dispatch, in the order installed
+
+
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("whole_at_run", default=None)
 
 
@@ -184,7 +217,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("whole_at_run", default
 def active(peak: Peak | None, table: shapes.Symbols | None, threshold: float) -> Iterator[None]:
     """Loops built within the block run in one step where ``peak`` at the run's sizes is within
     ``threshold`` bytes (nothing changes where ``peak`` or ``table`` is ``None``)."""
-    token = _ACTIVE.set(None if peak is None or table is None or threshold <= 0 else (peak, table, threshold, {}))
+    token = _ACTIVE.set(None if peak is None or table is None or threshold <= 0 else _State(peak, table, threshold))
     try:
         yield
     finally:
@@ -197,13 +230,155 @@ def fits() -> tf.Tensor | None:
     state = _ACTIVE.get()
     if state is None:
         return None
-    peak, table, threshold, made = state
     graph = tf.compat.v1.get_default_graph()
     if getattr(graph, "_control_dependencies_stack", None):
-        return peak.run_bytes(table) <= threshold
-    if id(graph) not in made or made[id(graph)][0] is not graph:
-        made[id(graph)] = (graph, peak.run_bytes(table) <= threshold)
-    return made[id(graph)][1]
+        return state.peak.run_bytes(state.table) <= state.threshold
+    if id(graph) not in state.made or state.made[id(graph)][0] is not graph:
+        state.made[id(graph)] = (graph, state.peak.run_bytes(state.table) <= state.threshold)
+    return state.made[id(graph)][1]
+
+
+def _stateful(op: tf.Operation) -> bool:
+    try:
+        return op._is_stateful  # noqa: SLF001 - TensorFlow's own flag (op_def.is_stateful)
+    except AttributeError:
+        return False
+
+
+def dispatch_for(region) -> Dispatch | None:
+    """A :class:`Dispatch` for a region whose loop is being built, where the run may take the region as
+    written instead: its chunk is scaled to the run's sizes (a static one runs as planned), it writes
+    no variable in place, and it holds no stateful op (a stateful draw XLA keeps even where its result
+    is not read); else ``None``."""
+    if _ACTIVE.get() is None or region.scaled is None or region.written_into:
+        return None
+    if any(_stateful(op) for op in region.ops):
+        return None
+    return Dispatch()
+
+
+# Set while :func:`install` differentiates the function's recorded gradients again: the gradients
+# built then are inside the function, where XLA resolves ``fits``.  A gradient built at any other time
+# (TensorFlow's, for a tape outside the function: a backward function of its own, where ``fits`` is an
+# input, not a constant) takes the loop's side alone, so that the forward holds nothing of the region
+# as written for it.
+_REBUILDING: contextvars.ContextVar = contextvars.ContextVar("whole_at_run_rebuilding", default=False)
+
+
+# A gate's predicate, by its op (an ``Identity`` whose gradient is :func:`_gate_gradient`).
+_PREDICATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _gate(x: tf.Tensor, predicate) -> tf.Tensor:
+    """``x``, whose gradient passes where ``predicate()`` (a bool scalar, or ``None``: always) holds and
+    is zero elsewhere, in the gradients :func:`install` builds (others pass it): XLA, resolving the
+    predicate, drops the gradient computation it closes.  One ``Identity`` (a ``tf.custom_gradient``
+    would also pass ``x`` through, and a tape outside the function would then keep it)."""
+    graph = tf.compat.v1.get_default_graph()
+    with graph.gradient_override_map({"Identity": _GATE}):
+        gated = tf.identity(x)
+    _PREDICATES[gated.op] = predicate
+    return gated
+
+
+@ops.RegisterGradient("TfMemsafeWholeAtRunGate")
+def _gate_gradient(op, upstream):
+    predicate = _PREDICATES.get(op)
+    p = predicate() if predicate is not None and _REBUILDING.get() else None
+    if p is None or upstream is None:
+        return upstream
+    if isinstance(upstream, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.where(p, upstream.values, tf.zeros_like(upstream.values)), upstream.indices,
+                                upstream.dense_shape)
+    return tf.where(p, upstream, tf.zeros_like(upstream))
+
+
+_GATE = "TfMemsafeWholeAtRunGate"
+_CHOOSE = "TfMemsafeWholeAtRunChoose"
+
+
+@ops.RegisterGradient("TfMemsafeWholeAtRunChoose")
+def _choose_gradient(op, upstream):
+    """``where(whole, old, new)``'s gradient: in the gradients :func:`install` builds, each side gets the
+    upstream gradient where it is chosen (zero elsewhere); in any other (a tape outside the function),
+    the loop's side gets it all and the region as written none, and nothing of the forward is read."""
+    if upstream is None:
+        return None, None, None
+    if not _REBUILDING.get():
+        return None, None, upstream
+    whole, zeros = op.inputs[0], tf.zeros_like(upstream)
+    return None, tf.where(whole, upstream, zeros), tf.where(whole, zeros, upstream)
+
+
+def _differentiable(t: tf.Tensor) -> bool:
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def loop_values(dispatch: Dispatch | None, external) -> list | None:
+    """What the loop of ``dispatch`` reads for the region's ``external`` inputs: each differentiable one
+    through a gate that :func:`install` closes where the region as written runs (``None``: no dispatch)."""
+    if dispatch is None:
+        return None
+    return [_gate(t, lambda: dispatch.loop_open) if _differentiable(t) else t for t in external]
+
+
+def record(dispatch: Dispatch | None, roots, new, region_ops) -> None:
+    """The loop of ``dispatch`` installed in place of ``roots`` (its outputs ``new``), for the region of
+    ``region_ops`` (roots included); journaled."""
+    state = _ACTIVE.get()
+    if dispatch is None or state is None:
+        return
+    dispatch.ops = frozenset(region_ops)
+    dispatch.old = [t for r in roots for t in r.outputs]
+    dispatch.new = list(new)
+    state.pending.append(dispatch)
+    graph_edit.on_undo(lambda: state.pending.remove(dispatch) if dispatch in state.pending else None)
+
+
+def install(graph, scope: str) -> int:
+    """Each recorded loop's readers read ``where(fits, region as written, loop)`` instead: the region's
+    ops, kept in the graph, read their inputs through gates open where the program fits, the loop
+    through gates open where it does not; then the gradients inside the function are differentiated
+    again through both.  XLA resolves ``fits`` for each shape it compiles, and drops the side not
+    taken, forward and gradient.  Returns how many loops; journaled (undone as a whole by the caller)."""
+    state = _ACTIVE.get()
+    if state is None or not state.pending:
+        return 0
+    with graph_edit.building(graph, scope):
+        whole = fits()
+        closed = tf.logical_not(whole)
+        for dispatch in state.pending:
+            gates: dict = {}
+            for op in sorted(dispatch.ops, key=lambda o: o._id):  # noqa: SLF001 - creation order
+                for i, x in enumerate(op.inputs):
+                    if x.op in dispatch.ops or not _differentiable(x):
+                        continue
+                    if x.ref() not in gates:
+                        gates[x.ref()] = _gate(x, lambda: whole)
+                    graph_edit.rewire_input(op, i, gates[x.ref()])
+            chosen = _choose(whole, dispatch.old, dispatch.new)
+            upstream = graph_query.ancestors(chosen)
+            for new, sel in zip(dispatch.new, chosen):
+                graph_edit.replace_uses(new, sel, upstream=upstream)
+                gradients.retarget(graph, new, sel)
+                shapes.same_as(sel, new)
+            before = dispatch.loop_open
+            dispatch.loop_open = closed
+            graph_edit.on_undo(lambda d=dispatch, b=before: setattr(d, "loop_open", b))
+    if gradients.records(graph):
+        token = _REBUILDING.set(True)
+        try:
+            gradients.rebuild(graph, scope, graph.get_operations())
+        finally:
+            _REBUILDING.reset(token)
+    return len(state.pending)
+
+
+def _choose(whole: tf.Tensor, old: list, new: list) -> list:
+    """``where(whole, old, new)`` for each pair, with :func:`_choose_gradient`."""
+    graph = tf.compat.v1.get_default_graph()
+    with graph.gradient_override_map({"SelectV2": _CHOOSE}):
+        return [tf.where(whole, a, b) for a, b in zip(old, new)]
 
 
 def largest_size(peak: Peak, values, threshold: float) -> int:
@@ -226,9 +401,10 @@ def largest_size(peak: Peak, values, threshold: float) -> int:
     return low
 
 
-def note(peak: Peak | None, at, threshold: float, limit: int) -> str:
+def note(peak: Peak | None, at, threshold: float, limit: int, dispatched: int = 0) -> str:
     """What the plan of a program planned at nominal sizes (``at``: :class:`~.nominal.Nominal`) does at
-    the sizes it runs at, for its record."""
+    the sizes it runs at, for its record (``dispatched``: how many of its loops give way to their
+    regions as written there)."""
     if threshold <= 0:
         return ""
     if peak is None:
@@ -240,5 +416,8 @@ def note(peak: Peak | None, at, threshold: float, limit: int) -> str:
              if at.batch else f"its dimensions up to about {upto:,}")
     if upto == 0:
         return f"; the program as written is over {share:.0%} of the limit at every size, so its loops always run split"
+    how = ("each loop runs in one step" if not dispatched else
+           f"{dispatched} loop{'s' if dispatched > 1 else ''} give{'' if dispatched > 1 else 's'} way to the region "
+           "as written (XLA drops the loop, forward and gradient) and any other runs in one step")
     return (f"; where the program as written is within {share:.0%} of the limit at the sizes it runs at, by the "
-            f"memory model ({where}), each loop runs in one step")
+            f"memory model ({where}), {how}")
