@@ -201,9 +201,17 @@ def fit_transformer(batch) -> tuple[list[float], int]:
     return history.history["loss"], max(steps)
 
 
+@pytest.mark.heavy
 def test_keras_fit_with_jit_compile_trains_the_same_within_the_limit(batch):
     """Keras compiles the training step itself (``jit_compile=True`` in ``compile``): tf_memsafe,
-    only enabled, splits its attentions the same way, with the same losses, within the limit."""
+    only enabled, splits its attentions the same way, with the same losses, within the limit.
+
+    ``heavy`` (74 s, left out of the default run: ``python -m tests -m heavy`` runs it): ``fit`` with
+    ``jit_compile=True`` split within its limit with the unsplit fit's losses is checked by
+    tests/integration/test_encoder_layer.py's test_fit_trains_an_attention_model_within_a_sixteenth_of_its_footprint
+    and tests/integration/test_padded_batches.py's fit (both Kerases); this model's training step split
+    with the naive losses and weights by test_training_step_trains_the_same above; the whole Transformer
+    fit is measured by ``python -m experiments.transformer.sweep --pipeline tfdata``."""
     naive_losses, naive_bytes = fit_transformer(batch)
     tf_memsafe.enable(TRAIN_LIMIT)
     losses, step_bytes = fit_transformer(batch)
