@@ -80,11 +80,12 @@ class Tuning:
         ``input_signature``) is planned at the nominal size where what grows with them is this many
         times the limit: large enough that a loop is planned for each tensor that grows, small
         enough that what cannot be split (the inputs themselves) does not crowd the plan out.
-      whole_at_run: a program with dimensions known only at run time runs each loop in one step
-        where the memory model's count of the program as written, at the sizes it runs at, is within
-        this share of the limit (:mod:`.whole_at_run`: a Transformer's padded-batch training step at
-        L = 256, 1.0 GiB of 2 GB, was split all the same, 2.6x slower); ``model_trust``'s 0.8 by
-        default (the model is 0.75-1.1x XLA's figure), 0: never.
+      whole_at_run: a program with dimensions known only at run time runs as written (its loops give
+        way to their regions: :mod:`.whole_at_run`) where the memory model's count of the program as
+        written, at the sizes it runs at, is within this share of the limit (a Transformer's padded-batch
+        training step at L = 256, 1.0 GiB of 2 GB, was split all the same, 2.6x slower).  Nothing
+        compiles the program at those sizes before it runs, so the share is the model's worst measured
+        ratio to XLA's figure, 0.75 (model_trust's 0.8 is checked by compiling); 0: never.
       tiled_share: an attention computed in tiles whose loop computes at most this share of them (the
         rest masked and skipped) is preferred to a loop computing every score (a causal training
         step at L = 4000 under 1/10 of its footprint: 36 ms in tiles, 44 % skipped, against 67 ms for
@@ -114,7 +115,7 @@ class Tuning:
     prologue_min_bytes: int = 1 << 16
     dynamic_over: float = 4.0
     tiled_share: float = 0.65
-    whole_at_run: float = 0.8
+    whole_at_run: float = 0.75
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

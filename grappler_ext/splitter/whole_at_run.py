@@ -1,7 +1,7 @@
 """Loops that give way to the program as written where it fits at the sizes it runs at.
 
     y = where(fits, region(gate(x, fits)), loop(gate(x, not fits)))       one loop's readers read y
-    fits = peak(run sizes) <= Tuning.whole_at_run x limit
+    fits = peak(run sizes) <= Tuning.whole_at_run (0.75) x limit
     peak(s) = fixed(s) + max over the schedule of the bytes live at each step, each buffer's bytes
               at the nominal sizes n times prod_k (s_k / n_k) ** power_k
 
@@ -32,10 +32,12 @@ the fastest of them).  The schedule's steps are kept where no other step holds a
 of every kind of growth (a Pareto set; their element-wise maximum where that set is large, an upper
 bound), so the count at the run's sizes is exact for the model, not a straight line through two sizes.
 
-Why it is safe: the model is 0.75-1.1x XLA's figure on its test workloads (1.08x on that training
-step), so the threshold is a share of the limit (:attr:`~.tuning.Tuning.whole_at_run`, ``model_trust``'s
-0.8 by default); 0 turns this off.  Where the model cannot count the program as written (an op
-without a byte rule), nothing is decided at run time: the loops keep their planned chunks.
+Why it is safe: nothing compiles the program at the sizes it runs at before it runs, so the threshold
+is a share of the limit (:attr:`~.tuning.Tuning.whole_at_run`) no larger than the model's worst measured
+ratio to XLA's figure, 0.75 (0.75-1.1x on its test workloads, 1.08x on that training step): a program
+the model puts within it is within the limit by XLA's figure; 0 turns this off.  Where the model
+cannot count the program as written (an op without a byte rule), nothing is decided at run time: the
+loops keep their planned chunks.
 
 What it does not do: a region whose slices have no run-time size beside the split axis keeps its
 static chunk (its loop's shapes are static).  A tape outside the function (TensorFlow builds its
