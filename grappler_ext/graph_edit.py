@@ -31,7 +31,7 @@ from tensorflow.python.ops import handle_data_util
 from grappler_ext import graph_query
 
 __all__ = [
-    "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "on_undo", "building", "replace_uses",
+    "GENERATED_SCOPE", "Journal", "journaled", "active_journal", "some_journal", "on_undo", "building", "replace_uses",
     "rewire_input", "set_output", "consumers", "EditError", "is_generated", "clone_op", "OpCopy", "snapshot",
     "copy_ops",
 ]
@@ -121,6 +121,18 @@ def journaled(journal: Journal) -> Iterator[Journal]:
 def active_journal() -> Journal | None:
     """The journal this thread's edits go to, if any."""
     return getattr(_local, "journal", None)
+
+
+@contextlib.contextmanager
+def some_journal() -> Iterator[Journal]:
+    """The journal this thread's edits go to, or, where none is (a pass run outside a pipeline), one of
+    the block's own, so that its edits can be undone."""
+    journal = active_journal()
+    if journal is not None:
+        yield journal
+        return
+    with journaled(Journal()) as own:
+        yield own
 
 
 def _record(edit) -> None:

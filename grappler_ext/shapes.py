@@ -89,15 +89,15 @@ class Symbols:
             sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
             return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
 
-        return self._once(("size", k), make)
+        return self.once(("size", k), make)
 
     def run_value(self, m: Monomial) -> tf.Tensor:
         """The dimension ``m`` is when the function runs (an int32 scalar XLA resolves)."""
-        return self._once(("value", m), lambda: tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32))
+        return self.once(("value", m), lambda: tf.convert_to_tensor(_evaluate(m, self.run_size), tf.int32))
 
-    def _once(self, key, make) -> tf.Tensor:
-        """``make()`` in the default graph, made there once (not under control edges, which another
-        reader would inherit)."""
+    def once(self, key, make) -> tf.Tensor:
+        """``make()`` in the default graph, made there once for ``key`` (not under control edges, which
+        another reader would inherit): a value of the run-time sizes read by many ops."""
         graph = tf.compat.v1.get_default_graph()
         if getattr(graph, "_control_dependencies_stack", None):
             return make()

@@ -11,8 +11,6 @@ builds the loop), :mod:`.measure` (XLA's figures, by the injected measurer) to c
 
 from __future__ import annotations
 
-import contextlib
-
 from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
@@ -143,9 +141,7 @@ class _Run:
         """Each loop that may give way to its region as written at run time (:mod:`.whole_at_run`) does;
         how many.  Where that fails, the loops stay as built (each runs in one step where the program
         fits), and ``result`` says why."""
-        journal = graph_edit.active_journal()
-        with graph_edit.journaled(graph_edit.Journal()) if journal is None else contextlib.nullcontext():
-            journal = graph_edit.active_journal()
+        with graph_edit.some_journal() as journal:
             mark = len(journal)
             try:
                 return whole_at_run.install(self.graph, self.name)
@@ -231,9 +227,7 @@ class _Run:
                 self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model has no rule for it "
                                    f"({est.reason})")
         # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
-        own = graph_edit.journaled(graph_edit.Journal()) if graph_edit.active_journal() is None else \
-            contextlib.nullcontext()
-        with own:
+        with graph_edit.some_journal():
             # A weight's update as values (a region may compute it slice by slice): kept if a loop is built.
             mark = mechanism.variables_as_values(self.graph, self.name, int(t.min_tensor_fraction * limit))
             if mark is not None:

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from grappler_ext import shapes
 
-__all__ = ["Row", "Scaling", "of"]
+__all__ = ["Row", "Scaling", "of", "growths", "row_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +96,41 @@ class Scaling:
 
     @staticmethod
     def _growth(rows: list[Row], ratios: dict) -> tf.Tensor:
-        fastest = tf.reduce_max(tf.stack(list(ratios.values()))) if ratios else tf.constant(1.0, tf.float64)
-        growth = []
-        for row in rows:
-            g = tf.constant(1.0, tf.float64)
-            for k, e in row.powers:
-                g *= ratios[k] ** e
-            growth.append(g * fastest ** row.unknown)
+        growth = growths(rows, ratios)
         return tf.reduce_max(tf.stack(growth)) if growth else tf.constant(1.0, tf.float64)
 
     def dims(self, t: tf.Tensor, unit_axes: Sequence[int] = ()) -> tf.Tensor | None:
         """``t``'s shape when the function runs (size 1 along ``unit_axes``), or ``None`` where a
         dimension is not a product of the run-time sizes."""
         return self.table.run_shape(t, unit_axes)
+
+
+def growths(rows: Sequence[Row], ratios: dict) -> list[tf.Tensor]:
+    """How much each row has grown at the run's sizes: ``prod_k ratios[k] ** power_k``, each dimension
+    that is not a product of the sizes as the fastest ratio (``ratios``: symbol -> run size / nominal,
+    float64 scalars)."""
+    fastest = tf.reduce_max(tf.stack(list(ratios.values()))) if ratios else tf.constant(1.0, tf.float64)
+    out = []
+    for row in rows:
+        g = tf.constant(1.0, tf.float64)
+        for k, e in row.powers:
+            g *= ratios[k] ** e
+        out.append(g * fastest ** row.unknown)
+    return out
+
+
+def row_of(t: tf.Tensor, table: shapes.Symbols, split: dict | None = None, dynamic: bool = False) -> Row:
+    """How ``t``'s elements grow with the run-time sizes, as ``table`` reads its dimensions (a tensor it
+    does not know: each dimension known only at run time as one that is not a product of them); a
+    slice's row of it, without the split axis' own growth, with ``split`` (the axis' powers) and
+    ``dynamic`` (the axis known only at run time: one such dimension fewer where ``t`` is not known)."""
+    known = table.names.get(t.name)
+    if known is None:
+        return Row((), max(0, len(shapes.dynamic_axes(t)) - int(dynamic)))
+    powers, unknown = _powers(known)
+    for k, e in (split or {}).items():
+        powers[k] = max(0, powers.get(k, 0) - e)
+    return Row(tuple(sorted((k, e) for k, e in powers.items() if e)), unknown)
 
 
 def _powers(monomials) -> tuple[dict[int, int], int]:
@@ -123,20 +145,6 @@ def _powers(monomials) -> tuple[dict[int, int], int]:
     return powers, unknown
 
 
-def _rows(tensors, table, split: dict, dynamic: bool) -> list[Row]:
-    rows = []
-    for t in tensors:
-        known = table.names.get(t.name)
-        if known is None:
-            rows.append(Row((), max(0, len(shapes.dynamic_axes(t)) - int(dynamic))))
-            continue
-        powers, unknown = _powers(known)
-        for k, e in split.items():
-            powers[k] = max(0, powers.get(k, 0) - e)
-        rows.append(Row(tuple(sorted((k, e) for k, e in powers.items() if e)), unknown))
-    return rows
-
-
 def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequence[tf.Tensor] = ()) -> Scaling | None:
     """The :class:`Scaling` of a region whose slices compute ``tensors``, split along an axis whose
     length is ``axis_monomial`` (``None``: static), beside ``held`` (its inputs and results, whole),
@@ -147,8 +155,8 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequenc
         return None
     table, size, values = state
     split, _ = _powers([axis_monomial]) if axis_monomial is not None else ({}, 0)
-    rows = _rows(tensors, table, split, dynamic)
-    whole = _rows([t for t in held if shapes.dynamic_axes(t)], table, {}, False)
+    rows = [row_of(t, table, split, dynamic) for t in tensors]
+    whole = [row_of(t, table) for t in held if shapes.dynamic_axes(t)]
     used = {k for row in rows + whole for k, _ in row.powers}
     if any(row.unknown for row in rows + whole):
         used |= set(table.sources)

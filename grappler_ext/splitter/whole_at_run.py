@@ -58,7 +58,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from grappler_ext import gradients, graph_edit, graph_query, shapes
+from grappler_ext import gradients, graph_edit, graph_query, memory_model, shapes
+from grappler_ext.splitter import rules, scaling
 
 __all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch_for", "loop_values", "record",
            "install", "largest_size", "note", "max_pareto"]
@@ -66,20 +67,18 @@ __all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch_fo
 # More kept steps than this: their element-wise maximum instead (an upper bound of each).
 max_pareto = 64
 
-# A kind of growth: ((symbol, power), ...) and the count of dimensions that grow as the fastest symbol.
-Signature = tuple[tuple[tuple[int, int], ...], int]
-
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
     """The memory model's count of a program as a function of its run-time sizes.
 
-    ``signatures[j]`` is a kind of growth; ``fixed[j]`` the parameters' and constants' bytes of that
+    ``signatures[j]`` is a kind of growth (:class:`~.scaling.Row`: powers of the run-time sizes, and
+    dimensions that grow as the fastest); ``fixed[j]`` the parameters' and constants' bytes of that
     kind at the ``nominal`` sizes (symbol -> size); ``steps[i][j]`` the bytes of that kind live at the
     i-th kept step of the schedule.  The count at sizes ``s`` is ``sum_j fixed[j] g_j(s) + max_i sum_j
     steps[i][j] g_j(s)`` with ``g_j(s) = prod_k (s_k / n_k) ** power_k``."""
 
-    signatures: tuple[Signature, ...]
+    signatures: tuple[scaling.Row, ...]
     fixed: tuple[float, ...]
     steps: tuple[tuple[float, ...], ...]
     nominal: tuple[tuple[int, int], ...]
@@ -87,47 +86,28 @@ class Peak:
     def _growth(self, sizes: dict[int, float]) -> np.ndarray:
         ratios = {k: sizes[k] / n for k, n in self.nominal}
         fastest = max(ratios.values(), default=1.0)
-        return np.array([np.prod([ratios[k] ** e for k, e in powers] or [1.0]) * fastest ** unknown
-                         for powers, unknown in self.signatures], dtype=np.float64)
+        return np.array([np.prod([ratios[k] ** e for k, e in row.powers] or [1.0]) * fastest ** row.unknown
+                         for row in self.signatures], dtype=np.float64)
 
     def at(self, sizes: dict[int, float]) -> float:
-        """The count at ``sizes`` (symbol -> size), in bytes."""
+        """The count at ``sizes`` (symbol -> size), in bytes (what :meth:`run_bytes` builds as ops)."""
         g = self._growth(sizes)
         return float(np.dot(self.fixed, g) + (np.max(np.asarray(self.steps) @ g) if self.steps else 0.0))
 
     def run_bytes(self, table: shapes.Symbols) -> tf.Tensor:
         """The count at the sizes the function runs at: a float64 scalar XLA resolves when it compiles."""
         ratios = {k: tf.cast(table.run_size(k), tf.float64) / float(n) for k, n in self.nominal}
-        fastest = tf.reduce_max(tf.stack(list(ratios.values()))) if ratios else tf.constant(1.0, tf.float64)
-        growth = []
-        for powers, unknown in self.signatures:
-            g = tf.constant(1.0, tf.float64)
-            for k, e in powers:
-                g *= ratios[k] ** e
-            growth.append(g * fastest ** unknown)
-        g = tf.stack(growth)
+        g = tf.stack(scaling.growths(self.signatures, ratios))
         live = tf.reduce_max(tf.reduce_sum(tf.constant(self.steps, tf.float64) * g[None, :], axis=1)) \
             if self.steps else tf.constant(0.0, tf.float64)
         return tf.reduce_sum(tf.constant(self.fixed, tf.float64) * g) + live
 
 
-def _signature(t: tf.Tensor | None) -> Signature:
-    """How ``t``'s bytes grow with the run-time sizes under the nominal sizes in effect."""
+def _signature(t: tf.Tensor | None, table: shapes.Symbols) -> scaling.Row:
+    """How ``t``'s bytes grow with the run-time sizes (a tensor of unknown rank: as the fastest)."""
     if t is None or t.shape.rank is None:
-        return ((), 1 if t is not None else 0)
-    known = shapes.monomials(t)
-    powers: dict[int, int] = {}
-    unknown = 0
-    for i, d in enumerate(t.shape.as_list()):
-        if d is not None:
-            continue
-        m = known[i] if known is not None and i < len(known) else None
-        if m is None:
-            unknown += 1
-            continue
-        for k, e in m[1]:
-            powers[k] = powers.get(k, 0) + e
-    return tuple(sorted(powers.items())), unknown
+        return scaling.Row((), 1 if t is not None else 0)
+    return scaling.row_of(t, table)
 
 
 def _buffer_tensor(graph, buffer) -> tf.Tensor | None:
@@ -165,26 +145,22 @@ def peak_of_program(graph, est) -> Peak | None:
     if state is None or est.peak_bytes is None or est.dynamic_tensors:
         return None
     table, size, values = state
-    kinds: dict[Signature, int] = {}
-    growth_of = []
-    for b in est.buffers:
-        sig = _signature(_buffer_tensor(graph, b))
-        growth_of.append(kinds.setdefault(sig, len(kinds)))
-    n_steps = max(len(est.schedule), 1)
+    kinds: dict[scaling.Row, int] = {}
+    growth_of = [kinds.setdefault(_signature(_buffer_tensor(graph, b), table), len(kinds)) for b in est.buffers]
+    if any(k not in table.sources for row in kinds for k, _ in row.powers):
+        return None
     fixed = np.zeros(len(kinds))
-    delta = np.zeros((n_steps + 1, len(kinds)))
     for b, j in zip(est.buffers, growth_of):
         if b.kind in ("parameter", "constant"):
             fixed[j] += b.bytes
-        else:
-            delta[min(b.first_step, n_steps - 1), j] += b.bytes
-            delta[min(b.last_step, n_steps - 1) + 1, j] -= b.bytes
-    live = np.cumsum(delta[:-1], axis=0)
+    # The model's liveness (memory_model.peak_of), for each kind of growth apart.
+    live = np.array([memory_model.peak_of([b for b, g in zip(est.buffers, growth_of) if g == j], len(est.schedule))[0]
+                     for j in range(len(kinds))]).T
     kept = _pareto(live, max_pareto) if len(live) else live
-    used = sorted({k for sig in kinds for k, _ in sig[0]} | (set(table.sources) if any(u for _, u in kinds) else set()))
-    nominal = tuple((k, values.get(k, size)) for k in used if k in table.sources)
-    if any(k not in table.sources for sig in kinds for k, _ in sig[0]):
-        return None
+    used = {k for row in kinds for k, _ in row.powers}
+    if any(row.unknown for row in kinds):
+        used |= set(table.sources)
+    nominal = tuple((k, values.get(k, size)) for k in sorted(used) if k in table.sources)
     return Peak(tuple(kinds), tuple(map(float, fixed)), tuple(tuple(map(float, r)) for r in kept), nominal)
 
 
@@ -208,7 +184,6 @@ class _State:
     peak: Peak
     table: shapes.Symbols
     threshold: float
-    made: dict = dataclasses.field(default_factory=dict)        # graph id -> (graph, its predicate)
     pending: list = dataclasses.field(default_factory=list)     # Dispatch, in the order installed
 
 
@@ -232,19 +207,8 @@ def fits() -> tf.Tensor | None:
     state = _ACTIVE.get()
     if state is None:
         return None
-    graph = tf.compat.v1.get_default_graph()
-    if getattr(graph, "_control_dependencies_stack", None):
-        return state.peak.run_bytes(state.table) <= state.threshold
-    if id(graph) not in state.made or state.made[id(graph)][0] is not graph:
-        state.made[id(graph)] = (graph, state.peak.run_bytes(state.table) <= state.threshold)
-    return state.made[id(graph)][1]
-
-
-def _stateful(op: tf.Operation) -> bool:
-    try:
-        return op._is_stateful  # noqa: SLF001 - TensorFlow's own flag (op_def.is_stateful)
-    except AttributeError:
-        return False
+    return state.table.once(("whole_at_run", id(state.peak), state.threshold),
+                            lambda: state.peak.run_bytes(state.table) <= state.threshold)
 
 
 def dispatch_for(region) -> Dispatch | None:
@@ -254,7 +218,7 @@ def dispatch_for(region) -> Dispatch | None:
     is not read); else ``None``."""
     if _ACTIVE.get() is None or region.scaled is None or region.written_into:
         return None
-    if any(_stateful(op) for op in region.ops):
+    if any(rules.is_stateful(op) for op in region.ops):
         return None
     return Dispatch()
 

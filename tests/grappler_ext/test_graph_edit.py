@@ -111,6 +111,20 @@ class TestJournal:
         journal.undo()
         assert op_of_type(g, "Exp").inputs[0] is sin
 
+    def test_some_journal_is_the_active_one_or_the_blocks_own(self):
+        g, sin = exp_of_sin()
+        outer = Journal()
+        with journaled(outer), graph_edit.some_journal() as journal:
+            assert journal is outer and graph_edit.active_journal() is outer
+        with graph_edit.some_journal() as own:                # outside a pipeline: one of its own
+            assert own is not outer and graph_edit.active_journal() is own
+            with graph_edit.building(g, "test"):
+                a = sin + 1.0
+            graph_edit.replace_uses(sin, a)
+        assert graph_edit.active_journal() is None and len(own) == 1
+        own.undo()
+        assert op_of_type(g, "Exp").inputs[0] is sin
+
     def test_edits_outside_a_journal_are_not_recorded(self):
         g, sin = exp_of_sin()
         journal = Journal()

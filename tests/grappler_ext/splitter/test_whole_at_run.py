@@ -20,6 +20,7 @@ import tf_memsafe
 from grappler_ext import memory_model, shapes
 from grappler_ext.splitter import Tuning, nominal, whole_at_run
 from grappler_ext.splitter.outcome import Code
+from grappler_ext.splitter.scaling import Row
 from tests.grappler_ext.splitter.test_dynamic import PADDED, _batch, _close, _padded, attention_loss, attention_step
 from tf_memsafe import xla_flags
 
@@ -189,7 +190,7 @@ def test_the_kept_steps_are_those_no_other_holds_more_of_every_kind():
 def test_largest_size_and_the_note():
     # 1000 B fixed and b n^2 bytes live, planned at b = 8, n = 100: at the batch of 8, 1000 + 8 s^2 <= 81000
     # up to s = 100
-    peak = whole_at_run.Peak(signatures=(((), 0), (((0, 1), (1, 2)), 0)), fixed=(1000.0, 0.0),
+    peak = whole_at_run.Peak(signatures=(Row(()), Row(((0, 1), (1, 2)))), fixed=(1000.0, 0.0),
                              steps=((0.0, 8 * 100.0**2),), nominal=((0, 8), (1, 100)))
     assert whole_at_run.largest_size(peak, lambda s: {0: min(s, 8)}, 81_000) == 100
     assert whole_at_run.largest_size(peak, lambda s: {0: min(s, 8)}, 999) == 0
