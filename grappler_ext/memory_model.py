@@ -427,6 +427,7 @@ def analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, d
     default rules at the same nominal size is not analysed again (the hook, the guard and the
     splitter each ask for the program as traced).  The result is shared: read it, never change it."""
     journal = graph_edit.active_journal()
+    shapes.resolve(graph)        # ops a rewrite made since the sizes' table was: their dimensions at these sizes
     key = (journal, None if journal is None else journal.version, shapes.nominal_key())
     memo = getattr(graph, _MEMO, None) if rules is None else None
     if journal is not None and memo is not None and memo[0][0] is journal and memo[0][1:] == key[1:]:

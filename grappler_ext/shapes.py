@@ -37,13 +37,15 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 
 __all__ = ["Symbols", "symbols", "nominal", "same_as", "monomials", "symbolic", "nominal_size", "nominal_key",
            "known_shape", "exact_dims", "is_symbolic", "exact_monomial", "describe_exact", "dims", "is_static",
-           "num_elements", "nbytes", "dynamic_axes", "concrete_spec"]
+           "num_elements", "nbytes", "dynamic_axes", "concrete_spec", "resolve", "declare_stacked", "copied",
+           "shaped_as"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
 # product of the run-time sizes: L - 1, or unknown to the inference).
@@ -78,6 +80,14 @@ class Symbols:
     # (graph's id, symbol or monomial) -> (graph, its run-time value made in that graph): a loop's
     # slices read the same few sizes thousands of times, made once in each graph (body, branch)
     made: dict = dataclasses.field(default_factory=dict, repr=False)
+    # The ops of the graph when the table was made (``None``: not known; nothing is resolved then).
+    born: frozenset | None = dataclasses.field(default=None, repr=False)
+    # (size, values) -> {tensor name: its dimensions at those sizes}, for tensors of ops made after the
+    # table (a gradient differentiated again, a loop's stacked slices), by :meth:`resolve`
+    resolved: dict = dataclasses.field(default_factory=dict, repr=False)
+    examined: dict = dataclasses.field(default_factory=dict, repr=False)   # (size, values) -> op names
+    # (size, values) -> {a TensorList's handle as reserved (name): its slices' dimensions once stacked}
+    lists: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def axis(self, k: int) -> int:
         """The input axis symbol ``k`` stands for (0: a batch)."""
@@ -131,6 +141,166 @@ class Symbols:
         """``new`` has ``old``'s shape (a loop's output in place of the region's root's)."""
         if old.name in self.names and new.shape.rank in (None, old.shape.rank):
             self.names[new.name] = self.names[old.name]
+
+    def copied(self, pairs) -> None:
+        """Each ``(old, new)`` tensor pair: ``new`` a copy of ``old`` (a loop's backward copied rather
+        than traced again: :mod:`grappler_ext.splitter.replay`), read as ``old`` is, at every size."""
+        for old, new in pairs:
+            if old.name in self.names:
+                self.names[new.name] = self.names[old.name]
+            for table in (*self.resolved.values(), *self.lists.values()):
+                if old.name in table:
+                    table[new.name] = table[old.name]
+
+    def resolve(self, graph, size: int, values: dict[int, int]) -> int:
+        """The dimensions, at ``size`` and ``values`` (as :func:`nominal` reads them), of the tensors of
+        the ops made in ``graph`` since the table (or since the last call at those sizes) that have
+        dimensions TensorFlow could not infer and the table does not know; how many tensors.
+
+        The splitter's rewrites make such ops as they plan: a gradient differentiated again through a
+        loop (a ``SelectV2``'s gradient summed to its input's shape, read from ``tf.shape``), a loop's
+        slices stacked over its run-time trip count.  Read at the nominal size in every unknown
+        dimension, a [B, H, L, L] gradient of 8 heads counts ``size``**4 elements (terabytes at a
+        length of 1,000): so TensorFlow's shape inference is run on a copy of those ops alone, each
+        tensor they read from elsewhere a placeholder of its dimensions at these sizes, with the small
+        integer computations of their shapes' values (a reshape's target from ``tf.shape``, a trip
+        count) copied with them; a dimension it still cannot say stays unknown (read as ``size``)."""
+        if self.born is None:
+            return 0
+        key = (size, tuple(sorted(values.items())))
+        seen = self.examined.setdefault(key, set(self.born))
+        fresh = [op for op in graph.get_operations() if op.name not in seen]
+        if not fresh:
+            return 0
+        seen.update(op.name for op in fresh)
+        found = self.resolved.setdefault(key, {})
+
+        def unresolved(t: tf.Tensor) -> bool:
+            return (not t.shape.is_fully_defined() and t.dtype not in (tf.resource, tf.variant)
+                    and t.name not in self.names and t.name not in found)
+
+        def dims_of(t: tf.Tensor) -> list[int | None] | None:
+            known = self.names.get(t.name)
+            if known is not None:
+                return [d if d is not None else _evaluate(m, lambda k: values.get(k, size))
+                        for d, m in zip(_statics(t, known), known)]
+            return list(found[t.name]) if t.name in found else None if t.shape.rank is None else t.shape.as_list()
+        # A loop's slices stacked after it ([steps, .., chunk, ..], both known only at run time), as
+        # the loop's builder declared them (:func:`declare_stacked`): what it stacks, its handle, is a
+        # loop's output, which TensorFlow's inference does not see through.
+        for op in fresh:
+            if op.type == "TensorListStack" and key in self.lists:
+                declared = self.lists[key].get(_reserved(op.inputs[0]).name)
+                if declared is not None and op.outputs[0].shape.rank in (None, len(declared)):
+                    found[op.outputs[0].name] = declared
+
+        targets = [op for op in fresh if any(unresolved(t) for t in op.outputs)]
+        if not targets:
+            return 0
+        copy, inferred = _inferred_alone(targets, dims_of)
+        if copy is None:
+            return 0
+        done = 0
+        for ref, name in inferred.items():
+            t, o = ref.deref(), copy.get_tensor_by_name(name if ":" in name else f"{name}:0")
+            if not unresolved(t) or o.shape.rank is None or t.shape.rank not in (None, o.shape.rank):
+                continue
+            found[t.name] = tuple(s if s is not None else d for s, d in zip(_statics(t, o.shape.as_list()),
+                                                                           o.shape.as_list()))
+            done += 1
+        return done
+
+
+# An integer vector this long or shorter may hold a shape's values (a reshape's target, a sum's axes).
+_SMALL = 16
+
+
+def _shape_value(t: tf.Tensor) -> bool:
+    """Whether ``t`` may be read by a shape function for its values, or computed into one: a scalar (a
+    chunk scaled to the run's sizes in float64, a predicate choosing it), an integer vector of a few
+    elements or of a length inference finds (the axes ``BroadcastGradientArgs`` gives a gradient's sum)."""
+    if t.shape.rank == 0:
+        return t.dtype.is_integer or t.dtype.is_floating or t.dtype == tf.bool
+    return t.dtype in (tf.int32, tf.int64) and t.shape.rank == 1 and (t.shape[0] is None or t.shape[0] <= _SMALL)
+
+
+def _reserved(handle: tf.Tensor) -> tf.Tensor:
+    """The TensorList ``handle`` as it was made: through identities and the loops that carried it."""
+    for _ in range(64):
+        if handle.op.type in ("Identity", "IdentityN"):
+            handle = handle.op.inputs[handle.value_index if handle.op.type == "IdentityN" else 0]
+        elif handle.op.type in _LOOPS:
+            handle = handle.op.inputs[handle.value_index]
+        else:
+            break
+    return handle
+
+
+def _calls_function(op: tf.Operation) -> bool:
+    """Whether ``op`` calls a function of the graph's library (a loop, a conditional, a call)."""
+    return any(a.HasField("func") or len(a.list.func) for a in op.node_def.attr.values())
+
+
+def _inferred_alone(ops: list[tf.Operation], dims_of) -> tuple[tf.Graph | None, dict]:
+    """A graph of the ``ops`` and the small computations they read (:func:`_shape_value`; constants),
+    every other tensor they read a placeholder of ``dims_of(t)``'s dimensions (``None``: of unknown
+    rank), its shapes inferred by TensorFlow at import, and where each of the ``ops``' outputs is in
+    it (tensor -> name); ``(None, {})`` where the inference rejects it.  A loop (``While``) is not
+    copied (its body is a function of the graph's library): each value it carries out has the shape
+    it carried in (the splitter's loops have no shape invariants), an ``Identity`` of that."""
+    def copied(op: tf.Operation) -> bool:
+        return not _calls_function(op)
+
+    chosen = {op.name: op for op in ops if copied(op)}
+    stack, order = list(chosen.values()), []
+    while stack:
+        op = stack.pop()
+        order.append(op)
+        for x in op.inputs:
+            p = x.op
+            if p.name not in chosen and (p.type == "Const" or _shape_value(x)) and copied(p):
+                chosen[p.name] = p
+                stack.append(p)
+    graph_def, made = graph_pb2.GraphDef(), {}
+
+    def name_of(x: tf.Tensor) -> str:
+        if x.op.name in chosen:
+            return x.op.name if not x.value_index else f"{x.op.name}:{x.value_index}"
+        if x.ref() not in made:
+            node = graph_def.node.add(name=f"tf_memsafe_shapes/boundary_{len(made)}")
+            made[x.ref()] = node.name
+            carried = x.op.inputs[x.value_index] if x.op.type in _LOOPS and x.dtype != tf.variant else None
+            if carried is not None:
+                node.op = "Identity"
+                node.attr["T"].type = x.dtype.as_datatype_enum
+                node.input.append(name_of(carried))
+            else:
+                node.op = "Placeholder"
+                node.attr["dtype"].type = x.dtype.as_datatype_enum
+                node.attr["shape"].shape.CopyFrom(tf.TensorShape(dims_of(x)).as_proto())
+        return made[x.ref()]
+
+    for op in order:
+        node = graph_def.node.add()
+        node.CopyFrom(op.node_def)
+        node.ClearField("device")
+        for attr in ("_output_shapes", "_class"):
+            if attr in node.attr:
+                del node.attr[attr]
+        del node.input[:]
+        node.input.extend(name_of(x) for x in op.inputs)
+    inferred = {t.ref(): name_of(t) for op in ops for t in op.outputs
+                if t.dtype not in (tf.resource, tf.variant) and (op.name in chosen or op.type in _LOOPS)}
+    copy = tf.Graph()
+    try:
+        with copy.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None, {}
+    return copy, inferred
+
+
+_LOOPS = ("While", "StatelessWhile")
 
 
 def _monomial(d: int, count: int) -> Monomial | None:
@@ -255,7 +425,8 @@ def symbols(graph, inputs: list[tf.Tensor]) -> Symbols | None:
     for (name, a), k in symbol_of.items():
         sources.setdefault(k, []).append((by_name[name], a))
     again = _inferred(prepared, inputs, symbol_of, _CHECK)
-    return Symbols(_read(graph, copy, count, again), count, sources)
+    return Symbols(_read(graph, copy, count, again), count, sources,
+                   born=frozenset(op.name for op in graph.get_operations()))
 
 
 def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> dict:
@@ -292,7 +463,7 @@ def nominal(size: int, table: Symbols | None = None, values: dict[int, int] | No
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"a nominal size must be an int >= 1, got {size!r}")
     values = {k: int(v) for k, v in (values or {}).items()}
-    token = _NOMINAL.set((size, table, values))
+    token = _NOMINAL.set((size, table, values, (size, tuple(sorted(values.items())))))
     try:
         yield size
     finally:
@@ -340,8 +511,75 @@ def nominal_key() -> tuple | None:
     state = _NOMINAL.get()
     if state is None:
         return None
-    size, table, values = state
-    return (size, id(table), len(table.names) if table is not None else 0, tuple(sorted(values.items())))
+    size, table, values, key = state
+    return (size, id(table), len(table.names) if table is not None else 0, key[1],
+            len(table.resolved.get(key, ())) if table is not None else 0)
+
+
+def copied(pairs) -> None:
+    """Each ``(old, new)`` tensor pair: ``new`` a copy of ``old``, read as ``old`` under the table of
+    the nominal sizes in effect (:meth:`Symbols.copied`)."""
+    state = _NOMINAL.get()
+    if state is not None and state[1] is not None:
+        state[1].copied(pairs)
+
+
+def shaped_as(new: tf.Tensor, like: tf.Tensor, perm: Sequence[int] | None = None) -> None:
+    """Under nominal sizes with a table: ``new`` (a rewrite's tensor TensorFlow's inference cannot see
+    through: a conditional's output) has ``like``'s dimensions (permuted by ``perm``), where the table
+    knows them; read so at every size it knows them at."""
+    state = _NOMINAL.get()
+    if state is None or state[1] is None or new.name == like.name:
+        return
+    table, key = state[1], state[3]
+    # (a conditional's result is an ``Identity`` of its op's output: both are read)
+    both = [new]
+    while both[-1].op.type == "Identity" and both[-1].op.inputs[0].op.type in ("Identity", "If", "StatelessIf"):
+        both.append(both[-1].op.inputs[0])
+
+    def order(seq) -> tuple:
+        return tuple(seq) if perm is None else tuple(seq[p] for p in perm)
+
+    for _ in range(64):                  # (through identities: a custom gradient's of its inputs)
+        known = table.names.get(like.name)
+        resolved = None if known is not None else table.resolved.get(key, {}).get(like.name)
+        if known is not None or resolved is not None or like.op.type != "Identity":
+            break
+        like = like.op.inputs[0]
+    if known is None and (resolved is None or None in resolved):
+        return
+    for t in both:
+        if known is not None and t.shape.rank in (None, len(known)):
+            table.names[t.name] = order(known)
+        elif resolved is not None and t.shape.rank in (None, len(resolved)):
+            table.resolved[key][t.name] = order(resolved)
+
+
+def declare_stacked(array: tf.TensorArray, like: tf.Tensor) -> None:
+    """Under nominal sizes with a table: the slices a loop writes to ``array`` (as made, before the
+    loop) are slices of a tensor shaped as ``like`` (the result they are joined into, or the input
+    whose gradient they are), each of ``array``'s element shape where it is static and of ``like``'s
+    dimensions where not (a chunk known only at run time: one slice the whole); once stacked they
+    count as ``ceil(like's elements / a slice's)`` slices, for :meth:`Symbols.resolve`."""
+    state = _NOMINAL.get()
+    if state is None or state[1] is None:
+        return
+    d, element = dims(like), array.element_shape
+    if d is None or None in d or element.rank != len(d):
+        return
+    slice_dims = [e if e is not None else x for e, x in zip(element.as_list(), d)]
+    steps = -(-math.prod(d) // max(1, math.prod(slice_dims)))
+    state[1].lists.setdefault(state[3], {})[array.flow.name] = (steps, *slice_dims)
+
+
+def resolve(graph) -> int:
+    """Under the nominal sizes in effect, with a table: the dimensions of the tensors of ops made
+    since the table was (:meth:`Symbols.resolve`), read by :func:`dims` from then on; how many."""
+    state = _NOMINAL.get()
+    if state is None or state[1] is None:
+        return 0
+    size, table, values, _ = state
+    return table.resolve(graph, size, values)
 
 
 def _statics(t: tf.Tensor, like) -> list[int | None]:
@@ -406,14 +644,18 @@ def dims(t: tf.Tensor) -> list[int | None] | None:
     state = _NOMINAL.get()
     if state is None:
         return None if t.shape.rank is None else t.shape.as_list()
-    size, table, values = state
+    size, table, values, key = state
     known = table.names.get(t.name) if table is not None else None
-    if t.shape.rank is None and known is None:
+    resolved = None
+    if known is None and table is not None and table.resolved and not t.shape.is_fully_defined():
+        resolved = table.resolved.get(key, {}).get(t.name)
+    if t.shape.rank is None and known is None and resolved is None:
         return None
     out = []
-    for i, d in enumerate(_statics(t, known)):
+    for i, d in enumerate(_statics(t, known if resolved is None else resolved)):
         if d is None:
-            d = _evaluate(known[i], lambda k: values.get(k, size)) if known is not None else None
+            d = (_evaluate(known[i], lambda k: values.get(k, size)) if known is not None else
+                 resolved[i] if resolved is not None else None)
             d = size if d is None else d
         out.append(d)
     return out

@@ -51,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
+from grappler_ext import shapes
 from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
 __all__ = ["RunSpec", "dims_of", "value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat",
@@ -151,12 +152,16 @@ class Concat(Combiner):
 
     name = "concat"
 
-    def __init__(self, axes: Sequence[int]):
+    def __init__(self, axes: Sequence[int], like: Sequence[tf.Tensor] = ()):
         self.axes = tuple(axes)
+        self.like = tuple(like)      # the results joined (the roots' outputs): what the slices count as
 
     def init(self, partial_specs, steps):
-        return [tf.TensorArray(s.dtype, size=steps, element_shape=s.shape, infer_shape=True)
-                for s in partial_specs]
+        arrays = [tf.TensorArray(s.dtype, size=steps, element_shape=s.shape, infer_shape=True)
+                  for s in partial_specs]
+        for array, like in zip(arrays, self.like):
+            shapes.declare_stacked(array, like)
+        return arrays
 
     def initial(self, partial_specs, steps, values, tail):
         if not (isinstance(steps, int) and isinstance(tail, int)
@@ -184,7 +189,7 @@ class Concat(Combiner):
                 for i, up in enumerate(upstream)]
 
     def at_length(self, length, chunk=None):
-        return _ConcatTo(self.axes, length)
+        return _ConcatTo(self.axes, length, self.like)
 
 
 class InPlace(Concat):
@@ -251,8 +256,8 @@ class _ConcatTo(Concat):
     """:class:`Concat` of a run-time ``length``: the joined slices cut to ``length``; a slice's rows
     past it receive no gradient."""
 
-    def __init__(self, axes: Sequence[int], length: tf.Tensor):
-        super().__init__(axes)
+    def __init__(self, axes: Sequence[int], length: tf.Tensor, like: Sequence[tf.Tensor] = ()):
+        super().__init__(axes, like)
         self.length = length
 
     def initial(self, partial_specs, steps, values, tail):
@@ -268,7 +273,7 @@ class _ConcatTo(Concat):
                                                   valid, 0) for i, up in enumerate(upstream)]
 
     def at_length(self, length, chunk=None):
-        return _ConcatTo(self.axes, length)
+        return _ConcatTo(self.axes, length, self.like)
 
 
 class _Fold(Combiner):

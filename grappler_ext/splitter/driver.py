@@ -65,6 +65,7 @@ class _Run:
         self.grow_room: dict[str, tuple[int, int]] = {}  # large tensor -> (bytes, chunk) given to its gradient loop
         # Per plan (reset by _split_large).
         self.loop_bytes: dict[str, int] = {}             # a loop's planned body bytes, by its op's name
+        self.backward_bytes: dict[int, int] = {}         # a region's gradient loop's planned body bytes, by its id
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
@@ -403,6 +404,7 @@ class _Run:
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
+        self.backward_bytes = {}
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.

@@ -60,7 +60,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from grappler_ext import folding
+from grappler_ext import folding, shapes
 from grappler_ext.splitter import replay, whole_at_run
 from grappler_ext.splitter.combiners import Combiner, RunSpec, write_slice
 from grappler_ext.splitter.rules import clone_op
@@ -491,7 +491,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
             return _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner,
                              scaled[0], floating)
 
-        return outputs, replay.once(grad)
+        return outputs, replay.once(grad, region)
 
     return list(split_region(*values))
 
@@ -521,8 +521,7 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     axes = [a if f else None for a, f in zip(axes, floating)]
     read_whole = [w and f for w, f in zip(read_whole, floating)]
     # Carry: a TensorArray per input read sliced (joined after the loop), a sum per input read whole.
-    carry0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
-              for t, a in zip(external, axes) if a is not None]
+    carry0 = [_slices_array(t, a, chunk, steps) for t, a in zip(external, axes) if a is not None]
     carry0 += _zero_sums(values, read_whole, [u for u in upstream if u is not None] + list(wait_for))
 
     def body(i, *carry):
@@ -619,6 +618,7 @@ def _carried_through_prologue(region, external, values, keys, grads, floating, o
         for k, c in zip(sources, connected):
             if c:
                 m = next(found)
+                shapes.shaped_as(m, values[k])
                 own[k] = m if own[k] is None else own[k] + m
     return own
 
@@ -696,8 +696,7 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
             lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
     fold0 = folding.init(partial_specs, steps)
-    arrays0 = [tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, a, chunk))
-               for t, a in zip(inputs, axes) if a is not None]
+    arrays0 = [_slices_array(t, a, chunk, steps) for t, a in zip(inputs, axes) if a is not None]
     sums0 = _zero_sums(values_in, read_whole, [derived[ref] for ref in keys])
     counts = (len(fold0), len(arrays0))
 
@@ -751,6 +750,14 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
     grads = [tf.zeros_like(src) if g is None else tf.convert_to_tensor(g) for g, src in zip(grads, sources)]
     it = iter(grads)
     return (partials, [next(it) if t else None for t in take], [next(it) if ok else None for ok in whole_ok])
+
+
+def _slices_array(t: tf.Tensor, axis: int, chunk, steps) -> tf.TensorArray:
+    """The ``TensorArray`` of ``steps`` slices of ``t``'s gradient along ``axis``; declared to the
+    nominal sizes' table (its stack counts as ``t``: :func:`grappler_ext.shapes.declare_stacked`)."""
+    array = tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, axis, chunk))
+    shapes.declare_stacked(array, t)
+    return array
 
 
 def _slice_shape(t: tf.Tensor, axis: int, chunk) -> tf.TensorShape:
@@ -808,7 +815,10 @@ def _in_order(region, external, values, after, relayout: bool = False) -> dict:
         derived = run_prologue(region, external, values)
         return [tf.transpose(derived[k], relaid[k]) if k in relaid else derived[k] for k in keys]
 
-    return dict(zip(keys, tf.cond(_opaque_true(after), branch, branch)))
+    outs = tf.cond(_opaque_true(after), branch, branch)
+    for k, o in zip(keys, outs):
+        shapes.shaped_as(o, k.deref(), relaid.get(k))
+    return dict(zip(keys, outs))
 
 
 def _backward_with_prologue(region, build, external, axes, read_whole, values, outputs, upstream, combiner,

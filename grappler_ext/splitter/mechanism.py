@@ -70,7 +70,7 @@ def _root_part(option, plan: ChunkPlan, region: Region):
         if into is not None:
             source = [t.ref() for t in external_inputs(region)].index(into.ref())
             return concat_partial, combiners.InPlace(option.output_axes, [source]), specs, True
-        return concat_partial, combiners.Concat(option.output_axes), specs, True
+        return concat_partial, combiners.Concat(option.output_axes, root.outputs), specs, True
 
     extremum = kind in ("max", "min") and root.outputs[0].dtype.is_floating
     if kind == "online_softmax":

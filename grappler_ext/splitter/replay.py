@@ -23,13 +23,24 @@ with the draws of the first (its own loop's seed).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
 
-from grappler_ext import graph_edit
+from grappler_ext import graph_edit, shapes
 
-__all__ = ["once"]
+__all__ = ["once", "owner"]
+
+# Each op a backward built or copied here, by the ``owner`` its :func:`once` was given (a loop's region):
+# the splitter counts a gradient loop's body by the plan of the loop it differentiates, whichever
+# rebuild of the function's gradients made the copy.
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def owner(op: tf.Operation):
+    """The ``owner`` of the :func:`once` whose backward made ``op`` (built or copied), else ``None``."""
+    return _OWNERS.get(op)
 
 
 @dataclasses.dataclass
@@ -48,26 +59,33 @@ def _replayable(upstream) -> bool:
     return all(u is None or isinstance(u, tf.Tensor) for u in upstream)
 
 
-def once(build: Callable[..., list]) -> Callable[..., list]:
+def once(build: Callable[..., list], owner_=None) -> Callable[..., list]:
     """``build`` (a custom gradient's backward: upstream gradients in, input gradients out) built
-    once per graph and upstream kinds, copied after."""
+    once per graph and upstream kinds, copied after; the ops either makes are ``owner_``'s (:func:`owner`)."""
     built: dict = {}                                    # (graph id, upstream kinds) -> _Built
 
     def grad(*upstream):
         graph = tf.compat.v1.get_default_graph()
-        if not _replayable(upstream):
-            return build(*upstream)
-        key = (id(graph), tuple(_kind(u) for u in upstream))
-        first = built.get(key)
-        if first is None or first.graph is not graph:
-            before = len(graph.get_operations())
-            results = build(*upstream)
-            made = graph_edit.snapshot(graph.get_operations()[before:])
-            built[key] = _Built(graph, upstream, made, list(results))
-            return results
-        mapping = {old.ref(): new for old, new in zip(first.upstream, upstream) if old is not None}
-        graph_edit.copy_ops(first.ops, mapping)
-        return [_mapped(r, mapping) for r in first.results]
+        before = len(graph.get_operations())
+        try:
+            if not _replayable(upstream):
+                return build(*upstream)
+            key = (id(graph), tuple(_kind(u) for u in upstream))
+            first = built.get(key)
+            if first is None or first.graph is not graph:
+                results = build(*upstream)
+                made = graph_edit.snapshot(graph.get_operations()[before:])
+                built[key] = _Built(graph, upstream, made, list(results))
+                return results
+            mapping = {old.ref(): new for old, new in zip(first.upstream, upstream) if old is not None}
+            graph_edit.copy_ops(first.ops, mapping)
+            # (the copies' sizes as the originals', where planning reads run-time sizes: not inferred again)
+            shapes.copied((old.deref(), new) for old, new in mapping.items())
+            return [_mapped(r, mapping) for r in first.results]
+        finally:
+            if owner_ is not None:
+                for op in graph.get_operations()[before:]:
+                    _OWNERS[op] = owner_
 
     return grad
 

@@ -16,7 +16,17 @@ import dataclasses
 
 from grappler_ext import graph_edit
 from grappler_ext.op_types import nbytes
-from grappler_ext.splitter import analysis, mechanism, nested_loop, nesting, policy, rules, sharding, whole_at_run
+from grappler_ext.splitter import (
+    analysis,
+    mechanism,
+    nested_loop,
+    nesting,
+    policy,
+    replay,
+    rules,
+    sharding,
+    whole_at_run,
+)
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import Code, LoopPlan, Sizing, Why
 
@@ -150,10 +160,13 @@ class RegionSearch:
                 room[1] * best.planned.backward_unit, chunks.chunk * best.planned.backward_unit - room[0])) + sum(
                 nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
         backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
+        # Grown into room the model did not see: counted as the rest less that room.
+        mine = int(max(room[1] * best.planned.backward_unit, backward_chunk * best.planned.backward_unit - room[0]))
+        run.backward_bytes[id(grown.region)] = mine
         for op in backward_loops:
-            # Grown into room the model did not see: counted as the rest less that room.
-            run.loop_bytes[op.name] = int(max(room[1] * best.planned.backward_unit,
-                                              backward_chunk * best.planned.backward_unit - room[0]))
+            # (the gradients rebuilt copy every earlier loop's backward too: each counted by its own plan)
+            owner = replay.owner(op)
+            run.loop_bytes[op.name] = mine if owner is None else run.backward_bytes.get(id(owner), mine)
         gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
             fused is not None and backward_chunk < fused)
         if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning, fused):

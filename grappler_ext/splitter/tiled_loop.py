@@ -280,7 +280,7 @@ def build_tiled(region: Region, tiles: TilePlan, backward_tiles: TilePlan, combi
             return _backward(region, op_inputs, backward_tiles, external, values, outputs, upstream, combiner, floating,
                              key_axes, read_whole)
 
-        return outputs, replay.once(grad)
+        return outputs, replay.once(grad, region)
 
     return list(tiled(*external))
 
