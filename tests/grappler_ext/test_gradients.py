@@ -391,3 +391,50 @@ def test_a_gradient_is_carried_along_floats_only():
         assert not gradients.carries_gradient(hits)
         assert not gradients.carries_gradient(frozen)
         assert not gradients.carries_gradient(constant)
+
+
+def test_a_rebuild_reaches_a_loss_nothing_returns_past_the_dead_ops_of_earlier_ones():
+    """``tf.gradients`` does not walk the ops earlier rebuilds left dead (``_MarkReachedOps`` visited
+    every one), but still reaches a loss the function does not return (only its gradient is): the
+    rebuilt gradients equal the traced ones after three rebuilds, and the walk skips dead ops."""
+    w = tf.Variable([[0.5, -1.0], [2.0, 0.25]], dtype=tf.float64)
+    walked: list = []
+
+    def step(x):
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(x @ w) ** 2)
+        seed = tf.constant(2.0, tf.float64)        # (given: nothing of the backward reads the loss)
+        (g,) = tape.gradient(loss, [w], output_gradients=[seed])
+        record = gradients.GradientRecord([loss], [w.handle], [seed], tf.UnconnectedGradients.NONE, [g])
+        setattr(graph, gradients.GRADIENTS_ATTR, [record])
+        returned, graph.outputs = graph.outputs, [g]    # (what it returns, as passes see it: not the loss)
+        touched = {op for op in graph.get_operations() if op.type == "MatMul"}
+        walked.append(loss.op in live_ops(graph))
+        consumers = gradients.gradients_util._Consumers
+        for _ in range(3):
+            before = len(graph.get_operations())
+            count = [0]
+
+            def counting(t, func_graphs, count=count):
+                found = consumers(t, func_graphs)
+                count[0] += len(found)
+                return found
+            gradients.gradients_util._Consumers = counting
+            try:
+                assert gradients.rebuild(graph, "test", touched) == 1
+            finally:
+                gradients.gradients_util._Consumers = consumers
+            walked.append((count[0], len(graph.get_operations()) - before))
+        graph.outputs = returned
+        assert record.results[0] is not g and "test/" in record.results[0].name      # differentiated again
+        return record.results[0]
+
+    fn = tf.function(step, autograph=False)
+    x = tf.constant([[1.0, 2.0], [-0.5, 0.3]], dtype=tf.float64)
+    with tf.GradientTape() as tape:
+        expected = 2.0 * tape.gradient(tf.reduce_sum(tf.sin(x @ w) ** 2), w)
+    np.testing.assert_allclose(fn(x), expected, rtol=1e-12)
+    assert walked[0] is False                 # (the loss was dead: reached all the same)
+    # Each rebuild walks about as many consumers as the first, not more with every dead backward.
+    assert walked[3][0] <= walked[1][0] + 2, walked
