@@ -432,7 +432,8 @@ def analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, d
     memo = getattr(graph, _MEMO, None) if rules is None else None
     if journal is not None and memo is not None and memo[0][0] is journal and memo[0][1:] == key[1:]:
         return memo[1]
-    result = _analyse(graph, rules)
+    with shapes.read_once():     # (the graph is not edited while it is analysed)
+        result = _analyse(graph, rules)
     if journal is not None and rules is None:
         setattr(graph, _MEMO, (key, result))
     return result

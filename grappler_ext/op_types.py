@@ -51,6 +51,7 @@ SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # CPU and under XLA, whose kernel makes it a constant [0]; cuDNN's workspace on a GPU without XLA),
 # passed from the op to its gradient.  (op type, "input" or "output", index)
 RESERVE_SPACES = frozenset({("FusedBatchNormV3", "output", 5), ("FusedBatchNormGradV3", "input", 5)})
+_RESERVE_READERS = frozenset(op_type for op_type, side, _ in RESERVE_SPACES if side == "input")
 
 
 def nbytes(t: tf.Tensor) -> int:
@@ -70,5 +71,5 @@ def reserve_space(t: tf.Tensor) -> bool:
     whole, never sliced, whatever its static shape says."""
     if (t.op.type, "output", t.value_index) in RESERVE_SPACES:
         return True
-    return any((c.type, "input", i) in RESERVE_SPACES for c in t.consumers() for i, x in enumerate(c.inputs)
-               if x is t)
+    return any((c.type, "input", i) in RESERVE_SPACES for c in t.consumers() if c.type in _RESERVE_READERS
+               for i, x in enumerate(c.inputs) if x is t)

@@ -45,7 +45,7 @@ from tensorflow.core.framework import graph_pb2
 __all__ = ["Symbols", "symbols", "nominal", "same_as", "monomials", "symbolic", "nominal_size", "nominal_key",
            "known_shape", "exact_dims", "is_symbolic", "exact_monomial", "describe_exact", "dims", "is_static",
            "num_elements", "nbytes", "dynamic_axes", "concrete_spec", "resolve", "declare_stacked", "copied",
-           "shaped_as"]
+           "shaped_as", "read_once"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
 # product of the run-time sizes: L - 1, or unknown to the inference).
@@ -638,9 +638,35 @@ def dynamic_axes(t: tf.Tensor) -> tuple[int, ...]:
     return tuple(i for i, d in enumerate(t.shape.as_list()) if d is None)
 
 
+# Within :func:`read_once`: id(tensor) -> (tensor, its dims as a tuple, or None).
+_READ: contextvars.ContextVar[dict | None] = contextvars.ContextVar("grappler_ext_dims_read", default=None)
+
+
+@contextlib.contextmanager
+def read_once() -> Iterator[None]:
+    """Within the block each tensor's :func:`dims` are worked out once: for an analysis, which reads
+    a graph it does not edit (the memory model asks for each tensor's bytes five times or more)."""
+    token = _READ.set({})
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
 def dims(t: tf.Tensor) -> list[int | None] | None:
     """``t``'s dimensions, unknown ones read as the nominal size (``None`` outside :func:`nominal`);
     ``None`` for an unknown rank (outside :func:`nominal`, or where its table does not know it)."""
+    read = _READ.get()
+    if read is None:
+        return _dims(t)
+    entry = read.get(id(t))
+    if entry is None or entry[0] is not t:
+        d = _dims(t)
+        entry = read[id(t)] = (t, None if d is None else tuple(d))
+    return None if entry[1] is None else list(entry[1])
+
+
+def _dims(t: tf.Tensor) -> list[int | None] | None:
     state = _NOMINAL.get()
     if state is None:
         return None if t.shape.rank is None else t.shape.as_list()
