@@ -404,7 +404,7 @@ class _Run:
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
-        self.backward_bytes = {}
+        self.backward_bytes, self.asked_before_best_effort, self.within_as_split = {}, False, None
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
@@ -440,6 +440,9 @@ class _Run:
             if tensor.op in done or tensor.op not in order_index:
                 continue
             removed = region.split_around(tensor)
+            if self.within_as_split is not None:          # XLA's figure: within, as split so far
+                checked = True
+                break
             if removed is None:
                 self.hoped.discard(tensor.name)
                 continue
@@ -481,6 +484,28 @@ class _Run:
         if after > limit:
             self._said_within(after, figure, result)
         return after, figure.bytes
+
+    def within_before_best_effort(self, tensor, size: int, result: PassResult) -> bool:
+        """Asked before a plan's first best effort, once loops are built: whether XLA's figure for the
+        program as split so far is within the limit, the model's count notwithstanding; if so the plan
+        stops there, every large tensor left as it is (recorded).  The model's count of a split program
+        runs over XLA's (a padded Transformer step planned at its nominal sizes: 1.9 GB by the model
+        after 11 loops, 630 MB by XLA's figure), and each best effort it then builds is a loop more, a
+        rebuild of the gradients more, and a slower step: five loops along the batch, in slices of one
+        example, in that step."""
+        if self.asked_before_best_effort or not result.rewritten:
+            return False
+        self.asked_before_best_effort = True
+        figure = self.figure()
+        if not figure.known or figure.bytes > self.limit:
+            return False
+        self.within_as_split = figure
+        result.skip([tensor.op], f"with {outcome.loops(len(result.rewritten))} built, XLA's figure for the "
+                                 f"program as split is {figure.bytes:,} B, within the limit: `{tensor.op.name}` "
+                                 f"({size:,} B) and the large tensors after it are left as they are (the "
+                                 "memory model's count could only have split them in best efforts)",
+                    bytes_before=size, code=Code.CHECKED_WITHIN)
+        return True
 
     def _said_within(self, after, figure, result) -> bool:
         """Whether XLA's figure puts the program as split within the limit the model's count is over;

@@ -90,6 +90,8 @@ class RegionSearch:
                                           f"the limit whole by the planner's count ({chunks.predicted_bytes:,} B)",
                              bytes_before=size, code=Code.FITS_WHOLE)
             return None
+        if planned.best_effort is not None and run.within_before_best_effort(tensor, size, self.result):
+            return None
         sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
         fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
                                                       backward_chunk)

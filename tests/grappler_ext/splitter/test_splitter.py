@@ -5,6 +5,8 @@ into slices of at most a few hundred rows.  Every footprint below is XLA's own "
 of the compiled program (forward and backward separately when the tape is outside).
 """
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -681,6 +683,37 @@ def test_impossible_limit_gets_the_best_effort_and_a_warning():
     assert all(r.code == Code.BEST_EFFORT and "best effort, the limit cannot be met" in r.reason for r in rewrites())
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
     assert after < before / 5
+
+
+def two_attention_outputs(q, k, v, a, b, c):
+    return attention(q, k, v), attention(a, b, c)
+
+
+@pytest.mark.parametrize("within", [True, False], ids=["within_by_xla", "over_by_xla"])
+def test_best_efforts_wait_for_xla_once_loops_are_built(within):
+    """Two attentions whose inputs and outputs (2 MB) are over a 1.5 MB limit: by the model's count
+    each can only be a best effort.  Before the second, XLA's figure for the program as split so far
+    is asked once: where it is within the limit, the plan stops there (one loop, the second attention
+    as written, said so); where not, the second is split too."""
+    limit = 1_500_000
+    inputs = [points(n, 32, seed=s) for s, n in enumerate((2000,) * 3 + (1500,) * 3)]
+    expected = tf.function(two_attention_outputs, jit_compile=True)(*inputs)
+    figure = FakeMeasurer(program=lambda graph: limit // 2 if within else 2 * limit)
+    hook.clear_reports()
+    tf_memsafe.enable(limit, strict=True)
+    with splitter_only(figure), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = tf.function(two_attention_outputs, jit_compile=True)(*inputs)
+    tf_memsafe.disable()
+    loops, stops = rewrites(), [r for r in skips() if r.code == Code.CHECKED_WITHIN and "left as they are" in r.reason]
+    assert loops and all(r.code == Code.BEST_EFFORT for r in loops), [r.reason for r in loops]
+    if within:
+        assert len(loops) == 1 and len(stops) == 1, [r.reason for r in skips()]
+        assert f"with 1 loop built, XLA's figure for the program as split is {limit // 2:,} B" in stops[0].reason
+    else:
+        assert len(loops) == 2 and not stops, [r.reason for r in skips()]
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
 
 class TestMustNotFire:
