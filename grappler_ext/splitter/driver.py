@@ -404,7 +404,10 @@ class _Run:
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
-        self.backward_bytes, self.asked_before_best_effort, self.within_as_split = {}, False, None
+        # Before best efforts (:meth:`within_before_best_effort`): XLA's figures asked, the model's count of
+        # the program as split over XLA's figure when last asked, and the figure that stopped the plan.
+        self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
+        self.model_after: int | None = None
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
@@ -450,6 +453,7 @@ class _Run:
             analysis.forget_dead(order_index, graph)
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
             after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
+            self.model_after = None if bound else after
             if after <= limit * t.model_trust and trust_model:      # as a program left alone must
                 # Checked with XLA like a program left alone (always where the model's count is only a
                 # lower bound); if over, the model's word is not taken again: every large tensor left is split.
@@ -486,25 +490,37 @@ class _Run:
         return after, figure.bytes
 
     def within_before_best_effort(self, tensor, size: int, result: PassResult) -> bool:
-        """Asked before a plan's first best effort, once loops are built: whether XLA's figure for the
+        """Asked before each best effort of a plan, once loops are built: whether XLA's figure for the
         program as split so far is within the limit, the model's count notwithstanding; if so the plan
         stops there, every large tensor left as it is (recorded).  The model's count of a split program
         runs over XLA's (a padded Transformer step planned at its nominal sizes: 1.9 GB by the model
         after 11 loops, 630 MB by XLA's figure), and each best effort it then builds is a loop more, a
         rebuild of the gradients more, and a slower step: five loops along the batch, in slices of one
-        example, in that step."""
-        if self.asked_before_best_effort or not result.rewritten:
+        example, in that step.  Each figure is a compile of the whole program: after one over the
+        limit, the next is asked only once the model's count, scaled by its ratio to that figure, is
+        within the limit, and at most ``Tuning.best_effort_checks`` times a plan."""
+        if not result.rewritten or self.best_effort_asks >= self.tuning.best_effort_checks:
             return False
-        self.asked_before_best_effort = True
+        if self.model_over_xla is not None and (
+                self.model_after is None or self.model_after / self.model_over_xla > self.limit):
+            return False
+        self.best_effort_asks += 1
         figure = self.figure()
-        if not figure.known or figure.bytes > self.limit:
+        if not figure.known:
+            return False
+        loops = outcome.loops(len(result.rewritten))
+        if figure.bytes > self.limit:
+            self.model_over_xla = (self.model_after / figure.bytes) if self.model_after else None
+            result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is "
+                                     f"{figure.bytes:,} B, over the limit: best efforts go on from "
+                                     f"`{tensor.op.name}` ({size:,} B)",
+                        bytes_before=size, code=Code.CHECKED_OVER)
             return False
         self.within_as_split = figure
-        result.skip([tensor.op], f"with {outcome.loops(len(result.rewritten))} built, XLA's figure for the "
-                                 f"program as split is {figure.bytes:,} B, within the limit: `{tensor.op.name}` "
-                                 f"({size:,} B) and the large tensors after it are left as they are (the "
-                                 "memory model's count could only have split them in best efforts)",
-                    bytes_before=size, code=Code.CHECKED_WITHIN)
+        result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is {figure.bytes:,} B, "
+                                 f"within the limit: `{tensor.op.name}` ({size:,} B) and the large tensors after it "
+                                 "are left as they are (the memory model's count could only have split them in best "
+                                 "efforts)", bytes_before=size, code=Code.CHECKED_WITHIN)
         return True
 
     def _said_within(self, after, figure, result) -> bool:

@@ -86,6 +86,12 @@ class Tuning:
         training step at L = 256, 1.0 GiB of 2 GB, was split all the same, 2.6x slower).  Nothing
         compiles the program at those sizes before it runs, so the share is the model's worst measured
         ratio to XLA's figure, 0.75 (model_trust's 0.8 is checked by compiling); 0: never.
+      best_effort_checks: before a best effort, once loops are built, XLA's figure for the program as
+        split so far is asked (a compile of the whole program): within the limit, the plan stops there.
+        After a figure over the limit, the next is asked only once the model's count, scaled by its
+        ratio to that figure, is within the limit; at most this many a plan (0: never).  The model's
+        count of a split program runs over XLA's (3x for a padded Transformer step planned at its nominal
+        sizes), and each best effort is a loop, a gradient rebuild and a slower step more.
       tiled_share: an attention computed in tiles whose loop computes at most this share of them (the
         rest masked and skipped) is preferred to a loop computing every score (a causal training
         step at L = 4000 under 1/10 of its footprint: 36 ms in tiles, 44 % skipped, against 67 ms for
@@ -116,6 +122,7 @@ class Tuning:
     dynamic_over: float = 4.0
     tiled_share: float = 0.65
     whole_at_run: float = 0.75
+    best_effort_checks: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -126,9 +133,9 @@ class Tuning:
                     else 0 < value <= 1)
                 accepted = ">= 1" if f.name in _AT_LEAST_ONE else "in [0, 1]" if f.name in _MAY_BE_ZERO else "in (0, 1]"
             else:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if f.name == "replans"
-                                                                                          else 1)
-                accepted = "an int >= 0" if f.name == "replans" else "an int >= 1"
+                zero = f.name in ("replans", "best_effort_checks")
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+                accepted = "an int >= 0" if zero else "an int >= 1"
             if not ok:
                 raise ValueError(f"Tuning.{f.name} must be {accepted}, got {value!r}")
 
