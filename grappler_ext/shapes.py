@@ -163,8 +163,10 @@ class Symbols:
         dimension, a [B, H, L, L] gradient of 8 heads counts ``size``**4 elements (terabytes at a
         length of 1,000): so TensorFlow's shape inference is run on a copy of those ops alone, each
         tensor they read from elsewhere a placeholder of its dimensions at these sizes, with the small
-        integer computations of their shapes' values (a reshape's target from ``tf.shape``, a trip
-        count) copied with them; a dimension it still cannot say stays unknown (read as ``size``)."""
+        computations of their shapes' values (a reshape's target from ``tf.shape``, a trip count, a
+        chunk scaled in float64) copied with them (:func:`_inferred_alone`: a loop's carried values
+        keep their shapes); a loop's stacked slices count as its builder declared them
+        (:func:`declare_stacked`); a dimension still unknown stays so (read as ``size``)."""
         if self.born is None:
             return 0
         key = (size, tuple(sorted(values.items())))
