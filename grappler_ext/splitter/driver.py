@@ -66,6 +66,10 @@ class _Run:
         # Per plan (reset by _split_large).
         self.loop_bytes: dict[str, int] = {}             # a loop's planned body bytes, by its op's name
         self.backward_bytes: dict[int, int] = {}         # a region's gradient loop's planned body bytes, by its id
+        self.model_after: int | None = None              # the model's count after the latest loop (not a bound)
+        self.best_effort_asks = 0                        # XLA's figures asked before best efforts
+        self.model_over_xla: float | None = None         # the model's count over XLA's figure when last asked
+        self.within_as_split = None                      # the figure (within) that stopped the plan
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
@@ -404,10 +408,8 @@ class _Run:
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
-        # Before best efforts (:meth:`within_before_best_effort`): XLA's figures asked, the model's count of
-        # the program as split over XLA's figure when last asked, and the figure that stopped the plan.
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
-        self.model_after: int | None = None
+        self.model_after = None
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.
