@@ -146,8 +146,7 @@ class Symbols:
         """Each ``(old, new)`` tensor pair: ``new`` a copy of ``old`` (a loop's backward copied rather
         than traced again: :mod:`grappler_ext.splitter.replay`), read as ``old`` is, at every size."""
         for old, new in pairs:
-            if old.name in self.names:
-                self.names[new.name] = self.names[old.name]
+            self.same_as(new, old)
             for table in (*self.resolved.values(), *self.lists.values()):
                 if old.name in table:
                     table[new.name] = table[old.name]
@@ -169,7 +168,7 @@ class Symbols:
         (:func:`declare_stacked`); a dimension still unknown stays so (read as ``size``)."""
         if self.born is None:
             return 0
-        key = (size, tuple(sorted(values.items())))
+        key = _sizes_key(size, values)
         seen = self.examined.setdefault(key, set(self.born))
         fresh = [op for op in graph.get_operations() if op.name not in seen]
         if not fresh:
@@ -457,6 +456,11 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
 _NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
 
 
+def _sizes_key(size: int, values: dict[int, int]) -> tuple:
+    """The key of what a table resolves at ``size`` and ``values`` (:meth:`Symbols.resolve`)."""
+    return (size, tuple(sorted(values.items())))
+
+
 @contextlib.contextmanager
 def nominal(size: int, table: Symbols | None = None, values: dict[int, int] | None = None) -> Iterator[int]:
     """Read every dimension unknown until run time as ``size`` within the block; with a ``table``,
@@ -465,7 +469,7 @@ def nominal(size: int, table: Symbols | None = None, values: dict[int, int] | No
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"a nominal size must be an int >= 1, got {size!r}")
     values = {k: int(v) for k, v in (values or {}).items()}
-    token = _NOMINAL.set((size, table, values, (size, tuple(sorted(values.items())))))
+    token = _NOMINAL.set((size, table, values, _sizes_key(size, values)))
     try:
         yield size
     finally:
