@@ -516,13 +516,13 @@ class _Run:
             result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is "
                                      f"{figure.bytes:,} B, over the limit: best efforts go on from "
                                      f"`{tensor.op.name}` ({size:,} B)",
-                        bytes_before=size, code=Code.CHECKED_OVER)
+                        bytes_before=size, code=Code.BEST_EFFORTS_GO_ON)
             return False
         self.within_as_split = figure
         result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is {figure.bytes:,} B, "
                                  f"within the limit: `{tensor.op.name}` ({size:,} B) and the large tensors after it "
                                  "are left as they are (the memory model's count could only have split them in best "
-                                 "efforts)", bytes_before=size, code=Code.CHECKED_WITHIN)
+                                 "efforts)", bytes_before=size, code=Code.BEST_EFFORTS_STOPPED)
         return True
 
     def _said_within(self, after, figure, result) -> bool:
