@@ -110,8 +110,9 @@ class _Run:
         ``None`` (and the graph as it was) where that splits nothing."""
         at = nominal.Nominal(self.graph)                 # how its run-time sizes are read
         self.growth = nominal.growth(at.needs)
-        size = None if self.growth is None else nominal.nominal_size(self.growth, at.needs, self.limit,
-                                                                     self.tuning.dynamic_over)
+        size = None if self.growth is None else nominal.nominal_size(
+            self.growth, at.needs, self.limit, self.tuning.dynamic_over,
+            lambda n: nominal.io_bytes(self.graph, n, at), self.tuning.dynamic_io_share)
         if size is None:
             return None
         inputs = nominal.dynamic_inputs(self.graph)

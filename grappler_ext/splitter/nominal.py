@@ -7,7 +7,8 @@ dimensions known only when it runs.  The splitter plans it at one nominal size f
 the result once per concrete shape.  This module says which size:
 
     growth(graph)                    the memory model's bytes at size 1, and per unit of size more
-    nominal_size(growth, limit, ..)  the size where what grows is ``over`` times the limit
+    nominal_size(growth, limit, ..)  the size where what grows is ``over`` times the limit, and the
+                                     inputs and outputs a small share of it
 
 At that size every tensor that grows with the dimension is large for the limit (so each gets a
 loop), and what cannot be split (the inputs themselves, the outputs) is still a small part of it.
@@ -25,7 +26,8 @@ import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
 
-__all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "growth", "nominal_size", "growth_note"]
+__all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_bytes", "growth", "nominal_size",
+           "growth_note"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
@@ -114,6 +116,14 @@ def needs_at(graph, size: int, at: Nominal | None = None) -> int | None:
     return est.parameter_bytes + est.constant_bytes + est.live_peak_bytes
 
 
+def io_bytes(graph, size: int, at: Nominal | None = None) -> int:
+    """The bytes of the function's inputs with run-time dimensions and of its outputs at ``size`` (read
+    as ``at`` says): what no loop inside it makes smaller."""
+    with (at.sizes(size) if at is not None else shapes.nominal(size)):
+        return sum(shapes.nbytes(t) or 0 for t in list(dynamic_inputs(graph)) + list(getattr(graph, "outputs", []))
+                   if t.dtype not in (tf.resource, tf.variant))
+
+
 def growth(needs: Callable[[int], int | None]) -> Growth | None:
     """How ``needs(size)`` grows, from sizes 1 and ``1 + PROBE``; ``None`` where it cannot say."""
     low, high = needs(1), needs(1 + PROBE)
@@ -122,12 +132,17 @@ def growth(needs: Callable[[int], int | None]) -> Growth | None:
     return Growth(low, (high - low) / PROBE)
 
 
-def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float) -> int | None:
+def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float,
+                 io: Callable[[int], int] | None = None, io_share: float = 1.0) -> int | None:
     """The size where what grows is about ``over`` times ``limit`` by the memory model (within a
     factor of two), or ``None`` where nothing grows.  The straight line through sizes 1 and
     ``1 + PROBE`` first; what grows faster than the size (a [n, n] matrix, a padded batch's
     [B, L, L] scores) is halved until within twice the target, and what the line overshoots
-    doubled until at least half of it."""
+    doubled until at least half of it.  Then halved while ``io(size)`` (the function's inputs and
+    outputs, which no loop makes smaller) is over ``io_share`` of the limit and what grows would stay
+    over half the limit: a Vision Transformer's evaluation at a run-time batch grows about four times
+    its inputs and logits, so at ``over`` times the limit those alone filled it, and every plan was a
+    best effort."""
     if grows.per_unit <= 0:
         return None
     target = over * limit
@@ -142,6 +157,11 @@ def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, 
         if at is None or at - grows.base_bytes >= target / 2 or size * 2 > 2**31 - 1:
             break
         size *= 2
+    while io is not None and size > 2 and io(size) > io_share * limit:
+        at = needs(size // 2)
+        if at is None or at - grows.base_bytes <= limit / 2:
+            break                 # (what grows would be no longer large for the limit: nothing planned)
+        size //= 2
     return size
 
 

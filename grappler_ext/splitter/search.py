@@ -43,6 +43,10 @@ class RegionSearch:
         self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
         self.reseed = rules.Reseed() if run.options.redraw_random else None
         self.nestable: Candidate | None = None     # the best-ranked best effort whose attention can be nested
+        # Regions grown, by their options, since the last loop was built (see grown_for)
+        self.grown: dict = {}
+        self.root_options: dict = {}               # root -> its options, likewise
+        self.pinned = None                         # (sharding.pinned_axes, with the graph as it was)
 
     def beside(self, tensor) -> policy.Beside:
         return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
@@ -53,7 +57,7 @@ class RegionSearch:
         run, t, info, reasons, beside = self.run, self.tuning, self.info, [], self.beside(tensor)
         self.nestable = None
         near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
-        candidates = [[option] for root in near for option in analysis.root_options(root, self.backward)]
+        candidates = [[option] for root in near for option in self.options_of(root)]
         candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
         best = self.best_root(candidates, tensor, beside, reasons)
         if best is None or best.planned.best_effort is not None or not best.planned.chunks.splits:
@@ -63,7 +67,7 @@ class RegionSearch:
             # reaches hundreds of ops in a Transformer's training step.
             seen = set(near)
             far = [[option] for root in analysis.downstream(tensor.op, self.order_index, t.root_depth_wide)
-                   if root not in seen for option in analysis.root_options(root, self.backward)
+                   if root not in seen for option in self.options_of(root)
                    if analysis.joined_bytes([option]) <= self.budget / 2]
             wider = self.best_root(far, tensor, beside, reasons)
             if wider is not None and (best is None or wider.key < best.key):
@@ -127,6 +131,7 @@ class RegionSearch:
         (``fused``: the forward's own chunk, where the loop computes the gradients as it goes)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
+        self.grown, self.root_options = {}, {}  # (the graph changes: regions are grown anew)
         existing = set(graph.get_operations())
         dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
@@ -224,8 +229,7 @@ class RegionSearch:
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
             ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
-            grown = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed,
-                                  sharding.pinned_axes(self.run.graph, self.run.options))
+            grown = self.grown_for(options, ignored)
             if isinstance(grown, Why):
                 reasons.append(grown)
                 continue
@@ -233,10 +237,6 @@ class RegionSearch:
                 if grown.stops:
                     reasons.append(grown.stops[0])
                 continue
-            grown.region.written_into = analysis.written_into(options, grown, self.order_index)
-            grown.region.prologue = analysis.prologue(grown, self.order_index, self.graph_outputs, ignored,
-                                                      t.slice_share * self.budget, t.prologue_share,
-                                                      t.prologue_ops, t.prologue_min_bytes)
             # (the gradients a weight's update reads are in its region: no backward is left to plan)
             planned = policy.plan(options, grown, beside if ignored else dataclasses.replace(beside, backward=ignored),
                                   self.budget, t, large_joins=self.run.relaxed)
@@ -259,6 +259,46 @@ class RegionSearch:
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
                 self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
         return best
+
+    def options_of(self, root) -> list:
+        """:func:`.analysis.root_options` of ``root``, made once until a loop is built (see :meth:`grown_for`)."""
+        found = self.root_options.get(root)
+        if found is None:
+            found = self.root_options[root] = analysis.root_options(root, self.backward)
+        return found
+
+    def grown_for(self, options, ignored: frozenset) -> analysis.Grown | Why:
+        """The region ``options`` grow (:func:`.analysis.grow`), with what it writes into and its
+        prologue; or why there is none.  The large tensors a plan tries look at many of the same roots
+        (those within ``Tuning.root_depth_wide`` ops downstream of each): a Vision Transformer's
+        evaluation step at a run-time batch grew 96,000 regions for 1,928 distinct ones, 15 minutes of
+        its first call.  Each is grown once until a loop is built (:meth:`build` forgets them: the
+        graph has changed).  What else the search adds to the graph meanwhile reads the run-time sizes
+        (shape ops, outside the plan's topological order), which no region takes in."""
+        if not self.grown:
+            self.pinned = sharding.pinned_axes(self.run.graph, self.run.options)
+        key = (tuple(_option_key(o) for o in options), ignored is self.backward, len(self.order_index))
+        found = self.grown.get(key)
+        if found is None:
+            found = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed, self.pinned)
+            if not isinstance(found, Why):
+                t = self.tuning
+                found.region.written_into = analysis.written_into(options, found, self.order_index)
+                found.region.prologue = analysis.prologue(found, self.order_index, self.graph_outputs, ignored,
+                                                          t.slice_share * self.budget, t.prologue_share,
+                                                          t.prologue_ops, t.prologue_min_bytes)
+            self.grown[key] = found
+        return found
+
+
+def _option_key(option: analysis.RootOption) -> tuple:
+    """What decides the region a root option grows: its root, combiner and axes, how its propagation
+    slices the root's inputs (not the rebuild functions, made anew with each option) and the tensors it
+    grows from instead of the root's inputs."""
+    prop = option.propagation
+    return (option.root, option.kind, tuple(option.input_axes), tuple(option.output_axes),
+            None if prop is None else (prop.input_axes, prop.output_axes, prop.input_factors),
+            tuple((t.ref(), a) for t, a in option.requests), tuple(option.absorbed))
 
 
 # A root's plan, as RegionSearch.best_root ranks them (the smallest ``key`` is best); ``nest``: its

@@ -79,7 +79,11 @@ class Tuning:
       dynamic_over: a program with dimensions known only at run time (a ``None`` in its
         ``input_signature``) is planned at the nominal size where what grows with them is this many
         times the limit: large enough that a loop is planned for each tensor that grows, small
-        enough that what cannot be split (the inputs themselves) does not crowd the plan out.
+        enough that what cannot be split (the inputs themselves) does not crowd the plan out ...
+      dynamic_io_share: ... and, while what grows stays over half the limit there, at most where the
+        function's inputs and outputs with run-time dimensions take this share of it (a Vision
+        Transformer's evaluation grows about four times its inputs and logits: at 4 x the limit those
+        alone were the limit, and every plan was a best effort).
       whole_at_run: a program with dimensions known only at run time runs as written (its loops give
         way to their regions: :mod:`.whole_at_run`) where the memory model's count of the program as
         written, at the sizes it runs at, is within this share of the limit (a Transformer's padded-batch
@@ -120,6 +124,7 @@ class Tuning:
     prologue_ops: int = 8
     prologue_min_bytes: int = 1 << 16
     dynamic_over: float = 4.0
+    dynamic_io_share: float = 0.25
     tiled_share: float = 0.65
     whole_at_run: float = 0.75
     best_effort_checks: int = 3

@@ -348,6 +348,21 @@ def test_nominal_size_where_what_grows_is_over_times_the_limit():
     assert nominal.growth(lambda n: None) is None
 
 
+def test_nominal_size_leaves_room_beside_the_inputs_and_outputs():
+    """Halved while the inputs and outputs (``io``) are over ``io_share`` of the limit, as long as what
+    grows stays over half the limit: a program growing 4 x its inputs and outputs (a Vision
+    Transformer's evaluation) is planned where those are a quarter of the limit, not the whole."""
+    needs = lambda n: 1000 + 10 * n                         # noqa: E731
+    grows = nominal.growth(needs)
+    plain = nominal.nominal_size(grows, needs, limit=10_000, over=4)
+    assert nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: n / 2, io_share=0.25) == plain   # 2000 B: room
+    size = nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: 2.5 * n, io_share=0.25)
+    assert size == plain // 4 and 2.5 * size <= 2_500                # 10,000 B of io at 4000: a quarter at 1000
+    # io as fast as what grows: halved only while what grows stays over half the limit
+    size = nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: 10 * n, io_share=0.25)
+    assert size == 1000 and 10 * (size // 2) <= 10_000 / 2
+
+
 def _graph_of(fn, *specs):
     return tf.function(fn).get_concrete_function(*specs).graph
 

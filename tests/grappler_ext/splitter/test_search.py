@@ -1,0 +1,114 @@
+"""The splitter's search around each large tensor (``grappler_ext/splitter/search.py``), and the size a
+program with run-time dimensions is planned at (``grappler_ext/splitter/nominal.py``), on a Vision
+Transformer's evaluation as Keras' example writes it: attention over patches of a batch known only at
+run time, then the patches flattened into a large dense head.
+
+The large tensors of a plan look at many of the same roots (those within ``Tuning.root_depth_wide``
+ops downstream of each): such an evaluation step grew 96,000 regions for 1,928 distinct ones, about
+15 minutes of its first call.  Each region is now grown once until a loop is built.  And its inputs
+and logits grow about a quarter as fast as the step: planned where the step is 4 x the limit, those
+alone filled the limit, and every plan was a best effort.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext.splitter import DEFAULT_TUNING, Tuning, analysis, search
+from grappler_ext.splitter.outcome import Code
+from tf_memsafe import hook
+
+rng = np.random.RandomState(0)
+PATCHES, WIDTH, LAYERS, HIDDEN = 48, 16, 4, 1024
+WEIGHTS = [tf.constant(rng.randn(WIDTH, WIDTH).astype(np.float32) / 4) for _ in range(LAYERS)]
+HEAD = tf.constant(rng.randn(PATCHES * WIDTH, HIDDEN).astype(np.float32) / 30)      # 3.1 MB
+SPEC = [tf.TensorSpec([None, PATCHES, WIDTH])]
+
+
+def vit(x):
+    """Attention-like layers over the patches, the patches flattened into a dense head."""
+    for w in WEIGHTS:
+        q = tf.einsum("bpd,de->bpe", x, w)
+        probs = tf.nn.softmax(tf.einsum("bpe,bqe->bpq", q, x), -1)
+        x = x + tf.einsum("bpq,bqe->bpe", probs, x)
+        x = x * tf.math.rsqrt(tf.reduce_mean(x * x, -1, keepdims=True) + 1e-6)
+    return tf.nn.relu(tf.reshape(x, [-1, PATCHES * WIDTH]) @ HEAD)
+
+
+def _split_with(tuning: Tuning):
+    """The product's pipeline with ``tuning``, its loops run at every size (see tests.fakes.always_split)."""
+    return hook.use_pipeline(hook.product_pipeline(dataclasses.replace(tuning, whole_at_run=0)))
+
+
+def _traced(limit: int, tuning: Tuning = DEFAULT_TUNING):
+    """``vit`` traced with its batch ``None`` under ``limit``: the function, its splitter records and
+    tf_memsafe's warnings."""
+    f = tf.function(vit, jit_compile=True, input_signature=SPEC)
+    tf_memsafe.enable(limit)
+    try:
+        with warnings.catch_warnings(record=True) as caught, _split_with(tuning):
+            warnings.simplefilter("always")
+            f.get_concrete_function()
+    finally:
+        tf_memsafe.disable()
+    report = next(r for r in reversed(tf_memsafe.reports()) if "vit" in r.function_name)
+    return (f, [r for r in report.records if r.pass_name == "splitter"],
+            [str(w.message) for w in caught if "tf_memsafe" in str(w.message)])
+
+
+def test_each_region_is_grown_once_while_the_graph_stands(monkeypatch):
+    """Under 4 MB (the head's weights and the step's other static tensors are more: one warning says
+    so) every large tensor is tried, and their searches ask for the same regions over and over."""
+    grown, built, asked = collections.Counter(), [0], [0]
+    grow, build, grown_for = analysis.grow, search.RegionSearch.build, search.RegionSearch.grown_for
+
+    def counted_grow(options, *args, **kwargs):
+        grown[(built[0], tuple(search._option_key(o) for o in options), bool(args[2]))] += 1
+        return grow(options, *args, **kwargs)
+
+    def counted_build(self, *args, **kwargs):
+        built[0] += 1
+        return build(self, *args, **kwargs)
+
+    def counted_grown_for(self, options, ignored):
+        asked[0] += 1
+        return grown_for(self, options, ignored)
+
+    monkeypatch.setattr(analysis, "grow", counted_grow)
+    monkeypatch.setattr(search.RegionSearch, "build", counted_build)
+    monkeypatch.setattr(search.RegionSearch, "grown_for", counted_grown_for)
+    _, records, said = _traced(4_000_000)
+    assert len(said) == 1 and "over its limit" in said[0], said
+    assert asked[0] > 5 * sum(grown.values()), (asked[0], sum(grown.values()))
+    assert max(grown.values()) == 1, grown.most_common(3)
+
+
+def test_its_inputs_and_outputs_leave_room_at_the_nominal_size():
+    """Under 8 MB: one loop along the batch, within the limit by XLA's figure at a batch of 280, about
+    the nominal one (the step as written: 9.5 MB), equal to the unsplit step.  Planned where the step is 4 x the limit
+    (``dynamic_io_share`` 1: the nominal size as it was), the batch was 1,134, its inputs and outputs
+    8.1 MB: the plan is a best effort, and a warning says the limit cannot be met."""
+    _, records, said = _traced(8_000_000, dataclasses.replace(DEFAULT_TUNING, dynamic_io_share=1.0))
+    assert said and any(r.code == Code.BEST_EFFORT for r in records), [r.reason for r in records]
+    f, records, said = _traced(8_000_000)
+    assert not said, said
+    plans = [r.plan for r in records if r.code == Code.SPLIT]
+    assert len(plans) == 1 and plans[0].dynamic and plans[0].best_effort is None, [r.reason for r in records]
+    naive = tf.function(vit, jit_compile=True)
+    x = tf.constant(rng.randn(280, PATCHES, WIDTH).astype(np.float32))
+    assert tf_memsafe.memory_footprint(naive, x, rewrite=False) > 1.15 * 8_000_000
+    tf_memsafe.enable(8_000_000)
+    try:
+        with _split_with(DEFAULT_TUNING):
+            assert tf_memsafe.memory_footprint(f, tf.TensorSpec(x.shape)) <= 8_000_000
+    finally:
+        tf_memsafe.disable()
+    for n in (1, 7, 280):
+        xs = x[:n]
+        np.testing.assert_allclose(f(xs), naive(xs), rtol=1e-4, atol=1e-5, err_msg=f"batch of {n}")
