@@ -110,11 +110,18 @@ class _Run:
         ``None`` (and the graph as it was) where that splits nothing."""
         at = nominal.Nominal(self.graph)                 # how its run-time sizes are read
         self.growth = nominal.growth(at.needs)
-        size = None if self.growth is None else nominal.nominal_size(
-            self.growth, at.needs, self.limit, self.tuning.dynamic_over,
-            lambda n: nominal.io_bytes(self.graph, n, at), self.tuning.dynamic_io_share)
+        size = None if self.growth is None else nominal.nominal_size(self.growth, at.needs, self.limit,
+                                                                     self.tuning.dynamic_over)
         if size is None:
             return None
+        where = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit"
+        roomy = nominal.with_room_for_io(size, self.growth, at.needs, self.limit,
+                                         lambda n: nominal.io_bytes(self.graph, n, at), self.tuning.dynamic_io_share)
+        if roomy < size:
+            where = (f"where its inputs and outputs leave the rest {1 - self.tuning.dynamic_io_share:.0%} of the "
+                     f"limit (at {size:,}, where what grows with them is {self.tuning.dynamic_over:g} x the limit, "
+                     "they would take more)")
+            size = roomy
         inputs = nominal.dynamic_inputs(self.graph)
         shown = (", ".join(nominal.dimension(self.graph, t.name) for t in inputs[:3])
                  + (", ..." if len(inputs) > 3 else ""))
@@ -134,8 +141,7 @@ class _Run:
                                                                       [], None)
             return None
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
-                               f"time, where what grows with them is {self.tuning.dynamic_over:g} x the limit; the "
-                               "loops take their lengths from the shapes when the function runs"
+                               f"time, {where}; the loops take their lengths from the shapes when the function runs"
                                f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",
                            code=Code.DYNAMIC_SHAPES)
         result.records.remove(note)

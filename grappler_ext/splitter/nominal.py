@@ -7,8 +7,8 @@ dimensions known only when it runs.  The splitter plans it at one nominal size f
 the result once per concrete shape.  This module says which size:
 
     growth(graph)                    the memory model's bytes at size 1, and per unit of size more
-    nominal_size(growth, limit, ..)  the size where what grows is ``over`` times the limit, and the
-                                     inputs and outputs a small share of it
+    nominal_size(growth, limit, ..)  the size where what grows is ``over`` times the limit
+    with_room_for_io(size, ..)       smaller where the inputs and outputs would crowd the limit there
 
 At that size every tensor that grows with the dimension is large for the limit (so each gets a
 loop), and what cannot be split (the inputs themselves, the outputs) is still a small part of it.
@@ -27,7 +27,7 @@ import tensorflow as tf
 from grappler_ext import memory_model, shapes
 
 __all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_bytes", "growth", "nominal_size",
-           "growth_note"]
+           "with_room_for_io", "growth_note"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
@@ -132,17 +132,12 @@ def growth(needs: Callable[[int], int | None]) -> Growth | None:
     return Growth(low, (high - low) / PROBE)
 
 
-def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float,
-                 io: Callable[[int], int] | None = None, io_share: float = 1.0) -> int | None:
+def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float) -> int | None:
     """The size where what grows is about ``over`` times ``limit`` by the memory model (within a
     factor of two), or ``None`` where nothing grows.  The straight line through sizes 1 and
     ``1 + PROBE`` first; what grows faster than the size (a [n, n] matrix, a padded batch's
     [B, L, L] scores) is halved until within twice the target, and what the line overshoots
-    doubled until at least half of it.  Then halved while ``io(size)`` (the function's inputs and
-    outputs, which no loop makes smaller) is over ``io_share`` of the limit and what grows would stay
-    over half the limit: a Vision Transformer's evaluation at a run-time batch grows about four times
-    its inputs and logits, so at ``over`` times the limit those alone filled it, and every plan was a
-    best effort."""
+    doubled until at least half of it."""
     if grows.per_unit <= 0:
         return None
     target = over * limit
@@ -157,10 +152,20 @@ def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, 
         if at is None or at - grows.base_bytes >= target / 2 or size * 2 > 2**31 - 1:
             break
         size *= 2
-    while io is not None and size > 2 and io(size) > io_share * limit:
+    return size
+
+
+def with_room_for_io(size: int, grows: Growth, needs: Callable[[int], int | None], limit: int,
+                     io: Callable[[int], int], share: float) -> int:
+    """``size`` halved while ``io(size)`` (the function's inputs and outputs, which no loop makes
+    smaller) is over ``share`` of the limit and what grows would stay over half the limit at the
+    halved size.  A Vision Transformer's evaluation at a run-time batch grows about four times its
+    inputs and logits: at the size where it is 4 x the limit, those alone filled it, and every plan
+    was a best effort."""
+    while size > 2 and io(size) > share * limit:
         at = needs(size // 2)
         if at is None or at - grows.base_bytes <= limit / 2:
-            break                 # (what grows would be no longer large for the limit: nothing planned)
+            break                 # (what grows would no longer be large for the limit: nothing planned)
         size //= 2
     return size
 

@@ -355,11 +355,11 @@ def test_nominal_size_leaves_room_beside_the_inputs_and_outputs():
     needs = lambda n: 1000 + 10 * n                         # noqa: E731
     grows = nominal.growth(needs)
     plain = nominal.nominal_size(grows, needs, limit=10_000, over=4)
-    assert nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: n / 2, io_share=0.25) == plain   # 2000 B: room
-    size = nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: 2.5 * n, io_share=0.25)
+    assert nominal.with_room_for_io(plain, grows, needs, 10_000, lambda n: n / 2, 0.25) == plain   # 2000 B: room
+    size = nominal.with_room_for_io(plain, grows, needs, 10_000, lambda n: 2.5 * n, 0.25)
     assert size == plain // 4 and 2.5 * size <= 2_500                # 10,000 B of io at 4000: a quarter at 1000
     # io as fast as what grows: halved only while what grows stays over half the limit
-    size = nominal.nominal_size(grows, needs, 10_000, 4, io=lambda n: 10 * n, io_share=0.25)
+    size = nominal.with_room_for_io(plain, grows, needs, 10_000, lambda n: 10 * n, 0.25)
     assert size == 1000 and 10 * (size // 2) <= 10_000 / 2
 
 
