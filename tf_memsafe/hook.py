@@ -85,6 +85,7 @@ class TraceReport:
 
 _lock = threading.Lock()
 _installed = False  # enabled for the whole process (tf_memsafe.enable)
+_said_not_xla = False  # the warning that a traced function is not compiled with XLA: said once an enable
 _active_threads = 0  # threads inside active_in_this_thread()
 _local = threading.local()
 # (sequence number, report): the numbers let callers ask for "reports since" across the bounded buffer.
@@ -191,6 +192,7 @@ def transform(graph) -> None:
     if not info.xla_compiled and not opts.rewrite_non_jit:
         _report(TraceReport(name, False, "skipped",
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
+        _say_not_xla(name, opts)
         return
     if info.retraced:
         # A Keras optimizer's slots or metrics built at the first step: rewriting this trace would
@@ -286,12 +288,26 @@ def _record_gradient(target, sources, output_gradients, unconnected, result) -> 
     existing.append(entry)
 
 
+def _say_not_xla(name: str, opts) -> None:
+    """Once an ``enable``: a function traced under a memory limit is not compiled with XLA, so the limit
+    does not hold for it (Keras 3's ``jit_compile="auto"`` is off on CPUs, and off for a model with
+    layers XLA cannot compile, such as its random image augmentations; tf_keras' default is off)."""
+    global _said_not_xla
+    if _said_not_xla or not _installed or (opts.memory_limit_bytes is None and opts.memory_limit_fraction is None):
+        return
+    _said_not_xla = True
+    warnings.warn(f"tf_memsafe: `{name}` is not compiled with XLA, so nothing in it is rewritten and the memory limit "
+                  "does not hold for it (said once). Compile it with XLA: tf.function(jit_compile=True), or Keras' "
+                  "model.compile(jit_compile=True) (Keras 3's default, \"auto\", is off on CPUs); or pass "
+                  "rewrite_non_jit=True to rewrite functions TensorFlow runs op by op.", RuntimeWarning, stacklevel=3)
+
+
 def install() -> None:
     """Register :func:`transform` with TensorFlow (checks the TensorFlow version first)."""
-    global _installed
+    global _installed, _said_not_xla
     _tf_internals.check_supported()
     with _lock:
-        _installed = True
+        _installed, _said_not_xla = True, False
         _sync_registration()
 
 

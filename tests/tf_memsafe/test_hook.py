@@ -1,5 +1,7 @@
 """The tf.function hook: which traces it rewrites, re-entrancy, idempotence, fail-open, strict."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -59,6 +61,28 @@ class TestWhichTracesAreRewritten:
         assert counter.seen == []
         (report,) = tf_memsafe.reports()
         assert report.status == "skipped" and "jit_compile" in report.reason
+
+    def test_a_function_not_compiled_with_xla_is_said_once_an_enable(self):
+        """Keras 3's ``jit_compile="auto"`` is off on CPUs: a user's ``fit`` would run as written, the
+        limit silently not holding.  One warning names the function and the fix; then none, until the
+        next ``enable``; none for a function XLA compiles, nor with ``rewrite_non_jit``."""
+        def said(fn, *args):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn(*args)
+            return [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+
+        tf_memsafe.enable("1GB")
+        with hook.use_pipeline(Pipeline([CountingPass()])):
+            assert said(tf.function(lambda x: tf.sin(x), jit_compile=True), X) == []
+            (first,) = said(tf.function(lambda x: tf.cos(x)), X)
+            assert "`<lambda>` is not compiled with XLA" in first and "jit_compile=True" in first
+            assert "rewrite_non_jit=True" in first
+            assert said(tf.function(lambda x: tf.tan(x)), X) == []
+            tf_memsafe.enable("1GB")
+            assert len(said(tf.function(lambda x: tf.exp(x)), X)) == 1
+            tf_memsafe.enable("1GB", rewrite_non_jit=True)
+            assert said(tf.function(lambda x: tf.exp(x)), X) == []
 
     def test_non_jit_function_is_rewritten_with_rewrite_non_jit(self):
         tf_memsafe.enable("1GB", rewrite_non_jit=True)
