@@ -75,6 +75,10 @@ class TestWhichTracesAreRewritten:
         tf_memsafe.enable("1GB")
         with hook.use_pipeline(Pipeline([CountingPass()])):
             assert said(tf.function(lambda x: tf.sin(x), jit_compile=True), X) == []
+            # a plain function calling a jit one (Keras 3's fit runs its jit step so), in a loop or not
+            step = tf.function(lambda x: tf.sin(x) + 1, jit_compile=True)
+            assert said(tf.function(lambda x: tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, step(a)),
+                                                             (0, x))[1]), X) == []
             (first,) = said(tf.function(lambda x: tf.cos(x)), X)
             assert "`<lambda>` is not compiled with XLA" in first and "jit_compile=True" in first
             assert "rewrite_non_jit=True" in first
