@@ -294,8 +294,8 @@ def _calls_xla(graph) -> bool:
     for f in getattr(graph, "_functions", {}).values():
         try:
             attr = f.definition.attr.get("_XlaMustCompile")
-        except AttributeError:
-            continue
+        except Exception:  # noqa: BLE001 - a function whose definition cannot be read: not known to
+            continue       # be compiled with XLA (the warning is only advice)
         if attr is not None and attr.b:
             return True
     return False
