@@ -119,20 +119,26 @@ class TraceInfo:
         ``tf.function`` called from a jit one).
       retraced: the first trace of a ``jit_compile=True`` function that created variables in it:
         TensorFlow traces the function again without creating them and never runs this trace.
+      tf_data: a function ``tf.data`` traced for a transformation (a ``map``'s, a shuffle's
+        permutation), never the user's computation.
     """
 
-    __slots__ = ("is_function_trace", "must_compile", "in_xla_context", "retraced")
+    __slots__ = ("is_function_trace", "must_compile", "in_xla_context", "retraced", "tf_data")
 
     def __init__(self, is_function_trace: bool, must_compile: bool, in_xla_context: bool,
-                 retraced: bool = False):
+                 retraced: bool = False, tf_data: bool = False):
         self.is_function_trace = is_function_trace
         self.must_compile = must_compile
         self.in_xla_context = in_xla_context
         self.retraced = retraced
+        self.tf_data = tf_data
 
     @property
     def xla_compiled(self) -> bool:
         return self.must_compile or self.in_xla_context
+
+
+_TF_DATA_FUNCTION = "_tf_data_function"   # the attribute tf.data's traced transformation functions carry
 
 
 def trace_info(graph) -> TraceInfo:
@@ -158,7 +164,8 @@ def trace_info(graph) -> TraceInfo:
         in_xla = bool(control_flow_util.GraphOrParentsInXlaContext(graph))
     except Exception:  # noqa: BLE001 - a graph without control-flow context is simply not in one
         in_xla = False
-    return TraceInfo(is_function_trace, must_compile, in_xla, retraced)
+    tf_data = bool(attributes.get(_TF_DATA_FUNCTION, False)) if attributes else False
+    return TraceInfo(is_function_trace, must_compile, in_xla, retraced, tf_data)
 
 
 def _created_variables(frame) -> bool:

@@ -192,7 +192,8 @@ def transform(graph) -> None:
     if not info.xla_compiled and not opts.rewrite_non_jit:
         _report(TraceReport(name, False, "skipped",
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
-        _say_not_xla(name, graph, opts)
+        if not info.tf_data:
+            _say_not_xla(name, graph, opts)
         return
     if info.retraced:
         # A Keras optimizer's slots or metrics built at the first step: rewriting this trace would
