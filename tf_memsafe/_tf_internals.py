@@ -47,7 +47,7 @@ from tf_memsafe.errors import UnsupportedTensorFlowError
 __all__ = [
     "SUPPORTED_TF", "check_supported", "register_transform", "unregister_transform",
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
-    "tape_functions", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
+    "tape_functions", "calls_xla_function", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
     "uninstall_gradient_recorder", "call_arguments", "export_only",
 ]
 
@@ -136,6 +136,19 @@ class TraceInfo:
     @property
     def xla_compiled(self) -> bool:
         return self.must_compile or self.in_xla_context
+
+
+def calls_xla_function(graph) -> bool:
+    """Whether ``graph``'s function library (a private attribute) holds a function XLA compiles: a plain
+    ``tf.function`` calling a jit one (Keras' ``fit`` runs its jit-compiled step so)."""
+    for f in getattr(graph, "_functions", {}).values():
+        try:
+            attr = f.definition.attr.get(XLA_MUST_COMPILE)
+        except Exception:  # noqa: BLE001 - a function whose definition cannot be read: not known to be compiled
+            continue
+        if attr is not None and attr.b:
+            return True
+    return False
 
 
 _TF_DATA_FUNCTION = "_tf_data_function"   # the attribute tf.data's traced transformation functions carry

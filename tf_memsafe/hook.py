@@ -289,26 +289,13 @@ def _record_gradient(target, sources, output_gradients, unconnected, result) -> 
     existing.append(entry)
 
 
-def _calls_xla(graph) -> bool:
-    """Whether ``graph`` calls a function XLA compiles (Keras 3's ``fit``: a plain ``tf.function`` running
-    its steps, each a call of the jit-compiled step, rewritten on its own)."""
-    for f in getattr(graph, "_functions", {}).values():
-        try:
-            attr = f.definition.attr.get("_XlaMustCompile")
-        except Exception:  # noqa: BLE001 - a function whose definition cannot be read: not known to
-            continue       # be compiled with XLA (the warning is only advice)
-        if attr is not None and attr.b:
-            return True
-    return False
-
-
 def _say_not_xla(name: str, graph, opts) -> None:
     """Once an ``enable``: a function traced under a memory limit is not compiled with XLA, so the limit
     does not hold for it (Keras 3's ``jit_compile="auto"`` is off on CPUs, and off for a model with
     layers XLA cannot compile, such as its random image augmentations; tf_keras' default is off)."""
     global _said_not_xla
     if (_said_not_xla or not _installed or (opts.memory_limit_bytes is None and opts.memory_limit_fraction is None)
-            or _calls_xla(graph)):
+            or _tf_internals.calls_xla_function(graph)):
         return
     _said_not_xla = True
     warnings.warn(f"tf_memsafe: `{name}` is not compiled with XLA, so nothing in it is rewritten and the memory limit "

@@ -17,7 +17,7 @@ from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, outcome, search, whole_at_run
-from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth
+from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Splitter"]
@@ -114,14 +114,13 @@ class _Run:
                                                                      self.tuning.dynamic_over)
         if size is None:
             return None
-        where = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit"
-        roomy = nominal.with_room_for_io(size, self.growth, at.needs, self.limit,
-                                         lambda n: nominal.io_bytes(self.graph, n, at), self.tuning.dynamic_io_share)
-        if roomy < size:
-            where = (f"where its inputs and outputs leave the rest {1 - self.tuning.dynamic_io_share:.0%} of the "
-                     f"limit (at {size:,}, where what grows with them is {self.tuning.dynamic_over:g} x the limit, "
-                     "they would take more)")
-            size = roomy
+        sized = NominalSize(nominal.with_room_for_io(size, self.growth, at.needs, self.limit,
+                                                     lambda n: nominal.io_bytes(self.graph, n, at),
+                                                     self.tuning.dynamic_io_share), size)
+        size = sized.size
+        grows = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit"
+        where = (f"where its inputs and outputs leave the rest {1 - self.tuning.dynamic_io_share:.0%} of the limit "
+                 f"(at {sized.grown_to:,}, {grows}, they would take more)" if sized.for_io else grows)
         inputs = nominal.dynamic_inputs(self.graph)
         shown = (", ".join(nominal.dimension(self.graph, t.name) for t in inputs[:3])
                  + (", ..." if len(inputs) > 3 else ""))
@@ -143,7 +142,7 @@ class _Run:
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, {where}; the loops take their lengths from the shapes when the function runs"
                                f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",
-                           code=Code.DYNAMIC_SHAPES)
+                           code=Code.DYNAMIC_SHAPES, plan=sized)
         result.records.remove(note)
         result.records.insert(0, note)
         self.pending = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in self.pending]

@@ -313,6 +313,22 @@ class Growth:
 
 
 @dataclasses.dataclass(frozen=True)
+class NominalSize:
+    """The size a program's run-time dimensions were planned at (the ``Code.DYNAMIC_SHAPES`` record of a
+    nominal plan): ``size``, and ``grown_to``, where what grows with them is ``Tuning.dynamic_over`` x the
+    limit; ``size`` is smaller where the function's inputs and outputs would take over
+    ``Tuning.dynamic_io_share`` of the limit there."""
+
+    size: int
+    grown_to: int
+
+    @property
+    def for_io(self) -> bool:
+        """Whether the size was made smaller to leave room beside the inputs and outputs."""
+        return self.size < self.grown_to
+
+
+@dataclasses.dataclass(frozen=True)
 class CannotFit:
     """The one warning of a run whose limit cannot be met: the program, what it needs (``needed``
     bytes, ``by``: "about" or "at least" by the model's count, or "XLA" by its figure as written), as split

@@ -278,7 +278,7 @@ class RegionSearch:
         region takes in."""
         if not self.grown:
             self.pinned = sharding.pinned_axes(self.run.graph, self.run.options)
-        key = (tuple(_option_key(o) for o in options), ignored is self.backward, len(self.order_index))
+        key = (tuple(_option_key(o) for o in options), ignored is self.backward)
         found = self.grown.get(key)
         if found is None:
             found = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed, self.pinned)

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from experiments.encoder_layer import BATCH, D_MODEL, encoder_layer
-from grappler_ext.splitter.outcome import Code
+from grappler_ext.splitter.outcome import Code, LoopPlan
 from tests.integration.keras_fit import fit_under, keras_of
 from tests.xla_run import run_and_measure
 from tf_memsafe import hook, xla_flags
@@ -136,7 +136,7 @@ def test_a_training_step_fits_an_eighth_of_its_footprint(version):
     step = _step(layer)
     naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
     after, records = _run(step, x, naive // 8)
-    assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
+    assert any(isinstance(r.plan, LoopPlan) and r.plan.length == L for r in records), [r.reason for r in records]
     assert after <= naive // 8, (after, naive)
 
 
@@ -154,7 +154,7 @@ def test_a_step_with_dropout_fits_the_limit_of_the_step_without(version):
     naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
     after, records = _run(step, x, limit, compare=False, redraw_random=True)
     assert after <= limit < naive // 8, (after, limit, naive)
-    assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
+    assert any(isinstance(r.plan, LoopPlan) and r.plan.length == L for r in records), [r.reason for r in records]
 
 
 def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = False, length: int = L):
@@ -214,6 +214,6 @@ def test_fit_in_mixed_precision_within_the_limit(version):
     want, _, _, naive = _fit(keras, None, policy="mixed_float16", measured=True)
     got, records, said, after = _fit(keras, 8 * 10**6, policy="mixed_float16", measured=True)
     assert not said, said
-    assert any(r.plan is not None and r.plan.length == L for r in records), [r.reason for r in records]
+    assert any(isinstance(r.plan, LoopPlan) and r.plan.length == L for r in records), [r.reason for r in records]
     assert after <= 8 * 10**6 < naive // 5, (after, naive)
     np.testing.assert_allclose(got, want, rtol=1e-4)
