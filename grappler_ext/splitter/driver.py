@@ -74,6 +74,8 @@ class _Run:
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
         self.relaxed = False                             # regions with a large joined result allowed
+        self.avoid: frozenset = frozenset()              # run-time sizes whose loops rank last (see _split)
+        self.split_sizes: set = set()                    # run-time sizes the loops built split along
         self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple | None = None   # (bytes as written, over the limit; by what; why)
@@ -265,39 +267,49 @@ class _Run:
 
     def _split(self, est, info, limit) -> None:
         """Split the large tensors planning against ``limit`` (:meth:`_planned`); where the limit
-        cannot be met and a region was refused only because its joined result is large for the
-        limit, plan again with such regions allowed and keep whichever program is smaller, so that
-        a lower limit never leaves a larger program than a higher one would (best effort is
-        monotonic).  Then record the plan and give its warnings, once."""
+        cannot be met, plan again in other ways and keep whichever program is smaller, so that a lower
+        limit never leaves a larger program than a higher one would (best effort is monotonic): where
+        a region was refused only because its joined result is large for the limit, with such regions
+        allowed; where the program has run-time sizes, with loops along the sizes its loops did not
+        split along ranked first (a loop over an attention's queries, ranked first as its slices grow
+        slowest with the length, holds its keys' and values' projections and their gradients whole,
+        which at the nominal sizes may be more than the limit where a loop over the batch is not).
+        Then record the plan and give its warnings, once."""
         journal = graph_edit.active_journal()
         result, wanted = self.result, self.limit
         mark = len(journal)
         tried, after, measured = self._planned(est, info, limit)
-        failed = self.pending or (measured is not None and measured > wanted)
-        def size(after, measured):
-            """XLA's figure for the program as it stands (as measured, else asked now), else the model's."""
-            figure = measured if measured is not None else self.figure().bytes
-            return (figure if figure is not None else after), figure
-
-        if failed and any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
-            first_warnings = list(self.pending)
-            first_bytes, _ = size(after, measured)
-            journal.undo(to=mark)
-            self.relaxed = True
-            tried, after, measured = self._planned(est, info, limit)
-            self.relaxed = False
-            relaxed_bytes, figure = size(after, measured)
-            smaller = relaxed_bytes is not None and (first_bytes is None or relaxed_bytes < first_bytes)
-            if smaller:
-                tried.skip([], f"the limit cannot be met: regions whose joined result is large for the limit "
-                               f"allowed, {relaxed_bytes:,} B" + (f" (planned as usual: {first_bytes:,} B)"
-                                                                  if first_bytes is not None else ""),
-                           code=Code.LARGE_JOINS_ALLOWED)
-                measured = figure if measured is None else measured
-            else:
+        alternatives = [({"relaxed": True}, Code.LARGE_JOINS_ALLOWED, "regions whose joined result is large for "
+                         "the limit allowed", lambda records: any(r.code == Code.JOINED_TOO_LARGE for r in records))]
+        if self.growth is not None and self.split_sizes:
+            # (the sizes the plan kept so far split along: the first's, or the relaxed one's)
+            alternatives.append((None, Code.OTHER_SIZES, "loops along other run-time sizes first",
+                                 lambda records: True))
+        kept: dict = {}
+        try:
+            for change, code, what, applies in alternatives:
+                if not (self.pending or (measured is not None and measured > wanted)) or not applies(tried.records):
+                    continue
+                change = change or {"avoid": frozenset(self.split_sizes)}
+                first_warnings = list(self.pending)
+                first_bytes, _ = self._size(after, measured)
                 journal.undo(to=mark)
+                self._set_ways({**kept, **change})
+                again, again_after, again_measured = self._planned(est, info, limit)
+                again_bytes, figure = self._size(again_after, again_measured)
+                if again_bytes is not None and (first_bytes is None or again_bytes < first_bytes):
+                    again.skip([], (f"planned as usual, {first_bytes:,} B" if first_bytes is not None else
+                                    "planned as usual") + f", the limit was not met: {what}, {again_bytes:,} B",
+                               code=code)
+                    kept.update(change)
+                    tried, after, measured = again, again_after, figure if again_measured is None else again_measured
+                    continue
+                journal.undo(to=mark)
+                self._set_ways(kept)
                 tried, after, measured = self._planned(est, info, limit)
                 self.pending = first_warnings
+        finally:
+            self._set_ways({})
         result.records += self.notes.records + tried.records
         if measured is not None and measured > wanted and not self.pending:
             result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
@@ -306,6 +318,17 @@ class _Run:
                 f"`{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
                 f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
                 "usefully. It will run as well as it can; raise memory_limit.")
+
+    def _set_ways(self, ways: dict) -> None:
+        """The ways of planning :meth:`_split` may change (``relaxed``, ``avoid``) as a run starts with
+        them, but for ``ways``."""
+        self.relaxed, self.avoid = ways.get("relaxed", False), ways.get("avoid", frozenset())
+
+    def _size(self, after, measured) -> tuple[int | None, int | None]:
+        """The program as it stands: XLA's figure (as measured, else asked now), else the model's
+        count ``after``; and XLA's figure (``None``: not known)."""
+        figure = measured if measured is not None else self.figure().bytes
+        return (figure if figure is not None else after), figure
 
     def _planned(self, est, info, limit):
         """One plan, checked: the large tensors split against ``limit``; while XLA's figure for the
@@ -371,7 +394,7 @@ class _Run:
                            f"figure for the program as split, {figure.bytes:,} B, leaves no room under the limit less "
                            "its margin", code=Code.NOT_GROWN,
                        plan=Growth(tuple(starved.values()), room, figure.bytes))
-            return tried, after, measured
+            return tried, after, figure.bytes        # (over the limit, or within it by less than the margin)
         journal = graph_edit.active_journal()
 
         first_warnings = list(self.pending)
@@ -415,7 +438,7 @@ class _Run:
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
-        self.model_after = None
+        self.model_after, self.split_sizes = None, set()
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
         # again after a split (grappler_ext.gradients), so their ops do not hold a region back.

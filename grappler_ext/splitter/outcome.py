@@ -42,6 +42,7 @@ class Code(str, enum.Enum):
     REPLAN_NO_BETTER = "replan_no_better"    # planning lower did not help: the best plan again
     STILL_OVER = "still_over"                # over by XLA's figure as split, nothing left to split
     LARGE_JOINS_ALLOWED = "large_joins_allowed"  # the limit cannot be met: large joined results allowed, smaller
+    OTHER_SIZES = "other_sizes"              # ... run-time sizes: loops along those not split first, smaller
     BEST_EFFORTS_GO_ON = "best_efforts_go_on"    # before a best effort: XLA's figure as split so far is over
     BEST_EFFORTS_STOPPED = "best_efforts_stopped"  # ... within: the plan stops, the tensors left whole
     GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left

@@ -243,8 +243,8 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, regi
     left none), those writing variables in place (a wide layer's update along its kernel's
     columns; ``region.written_into``), the fewest steps, then the one freeing the most bytes the
     gradients would hold (``held``); then the fewest bytes among those that cannot (a best effort
-    is judged by the size of its joined result, then by what it leaves); a plan that does not split
-    last."""
+    is judged by the size of its joined result, then by what it needs, its backward counted); a
+    plan that does not split last."""
     chunks = planned.chunks
     count = chunks.steps + (1 if chunks.tail else 0)
     written_into = region.written_into if region is not None else ()
@@ -252,7 +252,9 @@ def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, regi
     if planned.best_effort is not None:
         # (a region writing a large result whole leaves what reads it to another loop: a
         # feed-forward block's output joined before the softmax over the sequence that reads it)
-        return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, chunks.predicted_bytes, count)
+        # (what it needs: its loop's count, or what stays while its backward runs, whichever is more)
+        needed = max(chunks.predicted_bytes, planned.best_effort.needed_bytes)
+        return (not chunks.splits, True, joined > tuning.min_tensor_fraction * budget, needed, count)
     # (a loop writing variables in place holds none of their gradients whole, which a loop over the
     # batch's rows keeps, and the model's count of it misses: first among those within the limit)
     scaled = region.scaled if region is not None else None

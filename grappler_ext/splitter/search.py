@@ -152,6 +152,7 @@ class RegionSearch:
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
         whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + roots)
         forward_loops = mechanism.new_loops(graph, existing)
+        run.split_sizes |= analysis.split_sizes(grown.region)
         try:
             rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
         finally:
@@ -252,8 +253,10 @@ class RegionSearch:
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
-            key = policy.rank(planned, options, held, self.budget, t, grown.region,
-                              mechanism.computed_share(options, grown.region, planned, self.backward))
+            # (a plan again after one over the limit: loops along the run-time sizes it split last)
+            key = (bool(self.run.avoid & analysis.split_sizes(grown.region)),) + policy.rank(
+                planned, options, held, self.budget, t, grown.region,
+                mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
                 best = Candidate(key, options, grown, planned, remat)
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):

@@ -92,6 +92,17 @@ class TestRank:
         a, b = self.plan(250), self.plan(250)
         assert policy.rank(a, [], 5 * 10**6, 10**7, DEFAULT_TUNING) < policy.rank(b, [], 10**6, 10**7, DEFAULT_TUNING)
 
+    def test_best_efforts_by_what_they_need_their_backward_counted(self):
+        # A Keras attention with 8 heads of the layer's width, batch and length known at run time: a
+        # loop over its queries counts 204 MB forward, but its keys' and values' projections and their
+        # gradients stay whole while its backward runs (315 MB); one over the batch needs 268 MB.
+        from grappler_ext.splitter.outcome import BestEffort
+
+        queries = self.plan(25, best_effort=BestEffort(315 * 10**6, by_backward=True), predicted=204 * 10**6)
+        batch = self.plan(1, length=8, best_effort=BestEffort(268 * 10**6), predicted=268 * 10**6)
+        assert policy.rank(batch, [], 0, 256 * 10**6, DEFAULT_TUNING) < policy.rank(queries, [], 0, 256 * 10**6,
+                                                                                     DEFAULT_TUNING)
+
     def test_a_plan_that_does_not_split_is_last(self):
         whole, split = self.plan(1000), self.plan(10)
         assert policy.rank(split, [], 0, 10**7, DEFAULT_TUNING) < policy.rank(whole, [], 0, 10**7, DEFAULT_TUNING)
