@@ -240,8 +240,9 @@ class _Analysis:
         self.unknown: list[str] = []
         for op in reversed(self.order):               # readers are decided before their producers
             rule = rules.get(op.type)
-            if rule is None:
-                self.unknown.append(f"{op.name} ({op.type}): {NO_RULE_REASONS.get(op.type, 'no rule')}")
+            why = rule.unknown_when(op) if rule is not None and rule.unknown_when is not None else None
+            if rule is None or why:
+                self.unknown.append(f"{op.name} ({op.type}): {why or NO_RULE_REASONS.get(op.type, 'no rule')}")
             for t in op.outputs:
                 self.info[t.name] = self._decide(op, rule, t)
         self.unknown.reverse()
@@ -563,6 +564,9 @@ def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, 
         if extra:
             s = step_of[op.name]
             buffers.append(Buffer(f"{op.name} (scratch)", "scratch", extra, (), s, s, ()))
+        arguments = rule.parameters(op) if rule is not None and rule.parameters is not None else 0
+        if arguments:
+            buffers.append(Buffer(f"{op.name} (arguments read in it)", "parameter", arguments, (), 0, n_steps - 1, ()))
 
     fixed = _fixed_bytes(buffers)
     live, peak_step = peak_of(buffers, n_steps)

@@ -984,14 +984,24 @@ def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> tuple[int, bool]:
         return loop_bytes.get(op.name, 0)
 
     loop = memory_model.Rule(memory_model.Kind.LIBRARY, scratch=body)
-    # The conditionals a prologue's recomputation sits in (loop._in_order): their outputs.
-    branch = memory_model.Rule(memory_model.Kind.LIBRARY)
-    after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(LOOP_TYPES, loop),
-                                               **dict.fromkeys(BRANCH_TYPES - {"Case", "StatelessCase"}, branch)})
+    # The conditionals a prologue's recomputation sits in (loop._in_order): their outputs; the
+    # program's own (mixed precision's loss scaling) as the model counts them.
+    branches = {kind: _ours_by_outputs(memory_model.RULES[kind]) for kind in BRANCH_TYPES - {"Case", "StatelessCase"}}
+    after, info = memory_model.analyse(graph, {**memory_model.RULES, **dict.fromkeys(LOOP_TYPES, loop), **branches})
     if after.peak_bytes is not None:
         return after.peak_bytes, False
     known = 0 if after.unknown_ops else after.parameter_bytes + after.constant_bytes + after.live_peak_bytes
     return max(planned_bytes, known, floor(after, info)), True
+
+
+def _ours_by_outputs(rule: memory_model.Rule) -> memory_model.Rule:
+    """A conditional's byte ``rule``, but a conditional of ours counted by its outputs alone."""
+    def ours(op):
+        return graph_edit.is_generated(op.name)
+
+    return dataclasses.replace(rule, scratch=lambda op, ctx: 0 if ours(op) else rule.scratch(op, ctx),
+                               unknown_when=lambda op: None if ours(op) else rule.unknown_when(op),
+                               parameters=lambda op: 0 if ours(op) else rule.parameters(op))
 
 
 def is_ours(names) -> bool:

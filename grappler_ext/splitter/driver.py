@@ -191,11 +191,16 @@ class _Run:
                             "input_signature with static shapes to split it", code=Code.DYNAMIC_SHAPES)
                 if not figure.known and not analysis.creates_variables(self.graph):
                     # Neither can size it before it runs: the user is told, once a trace that will run.
+                    # (over at a size of 1 by the model: its arguments and what does not grow, which no
+                    # plan at any size made smaller, a Keras step's weights and optimizer slots)
+                    over_at_one = self.growth is not None and self.growth.within(self.limit) is None
                     self.pending.append(
                         f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
                         f"{_mb(limit)} before it runs, and nothing in it is split"
-                        f"{nominal.growth_note(self.growth, self.limit)}. Give the tf.function an input_signature "
-                        "with static shapes (or call it on tensors of one shape) to let tf_memsafe check and split it.")
+                        f"{nominal.growth_note(self.growth, self.limit)}. " + (
+                            f"Raise memory_limit to well above {_mb(self.growth.base_bytes)}." if over_at_one else
+                            "Give the tf.function an input_signature with static shapes (or call it on tensors of "
+                            "one shape) to let tf_memsafe check and split it."))
                 return result
             # Static tensors over the limit (attention scores beside the dynamic-size sparse update
             # of an embedding) are split; the dynamic ops stay as they are.
@@ -340,7 +345,9 @@ class _Run:
         wanted, t = self.limit, self.tuning
         self.notes = PassResult(self.name)
         best = None                 # (XLA's figure, the planning limit) of the best plan measured
-        for attempt in range(t.replans + 1):
+        # (a plan along other run-time sizes is tried as it comes: a plan of another shape, not smaller chunks)
+        replans = 0 if self.avoid else t.replans
+        for attempt in range(replans + 1):
             mark = len(journal)
             tried = PassResult(self.name)
             after, measured = self._split_large(est, info, limit, tried)
@@ -361,7 +368,7 @@ class _Run:
                 after, measured = self._split_large(est, info, limit, tried)
                 break
             best = (measured, limit)
-            if attempt == t.replans:
+            if attempt == replans:
                 break
             # XLA packs the loops beside the rest of the program less tightly than the model counts:
             # the planning limit scaled by the share XLA's figure is over.

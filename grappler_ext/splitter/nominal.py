@@ -175,7 +175,8 @@ def growth_note(grows: Growth | None, limit: int) -> str:
     if grows is None:
         return ""
     within = grows.within(limit)
-    upto = ("" if within is None else "; within the limit at any size" if within == float("inf") else
+    upto = ("; over the limit at a size of 1 already" if within is None else
+            "; within the limit at any size" if within == float("inf") else
             f"; within the limit up to about {int(within):,}")
     return (f" (by the memory model, about {grows.base_bytes / 1e6:,.1f} MB and {grows.per_unit:,.0f} B more "
             f"for each unit of those dimensions{upto})")

@@ -348,6 +348,15 @@ def test_nominal_size_where_what_grows_is_over_times_the_limit():
     assert nominal.growth(lambda n: None) is None
 
 
+def test_the_growth_note_says_where_the_program_is_within_the_limit():
+    # (a Keras step whose weights and optimizer slots, with one example, are over the limit: raise it)
+    over = nominal.growth_note(nominal.Growth(290 * 10**6, 1.4e8), 256 * 10**6)
+    assert "over the limit at a size of 1 already" in over
+    assert "within the limit up to about 4" in nominal.growth_note(nominal.Growth(100, 100.0), 400)
+    assert "within the limit at any size" in nominal.growth_note(nominal.Growth(100, 0.0), 400)
+    assert nominal.growth_note(None, 400) == ""
+
+
 def test_nominal_size_leaves_room_beside_the_inputs_and_outputs():
     """Halved while the inputs and outputs (``io``) are over ``io_share`` of the limit, as long as what
     grows stays over half the limit: a program growing 4 x its inputs and outputs (a Vision
