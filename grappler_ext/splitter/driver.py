@@ -285,14 +285,15 @@ class _Run:
         mark = len(journal)
         tried, after, measured = self._planned(est, info, limit)
         alternatives = [({"relaxed": True}, Code.LARGE_JOINS_ALLOWED, "regions whose joined result is large for "
-                         "the limit allowed", lambda records: any(r.code == Code.JOINED_TOO_LARGE for r in records))]
+                         "the limit allowed", lambda records: any(r.code == Code.JOINED_TOO_LARGE for r in records),
+                         1.0)]
         if self.growth is not None and self.split_sizes:
             # (the sizes the plan kept so far split along: the first's, or the relaxed one's)
             alternatives.append((None, Code.OTHER_SIZES, "loops along other run-time sizes first",
-                                 lambda records: True))
+                                 lambda records: True, self.tuning.other_sizes_gain))
         kept: dict = {}
         try:
-            for change, code, what, applies in alternatives:
+            for change, code, what, applies, gain in alternatives:
                 if not (self.pending or (measured is not None and measured > wanted)) or not applies(tried.records):
                     continue
                 change = change or {"avoid": frozenset(self.split_sizes)}
@@ -302,7 +303,9 @@ class _Run:
                 self._set_ways({**kept, **change})
                 again, again_after, again_measured = self._planned(est, info, limit)
                 again_bytes, figure = self._size(again_after, again_measured)
-                if again_bytes is not None and (first_bytes is None or again_bytes < first_bytes):
+                # (smaller; a plan along other sizes by a share, or within the limit the first was over)
+                if again_bytes is not None and (first_bytes is None or again_bytes < first_bytes * gain or (
+                        gain < 1 and again_bytes <= wanted < first_bytes)):
                     again.skip([], (f"planned as usual, {first_bytes:,} B" if first_bytes is not None else
                                     "planned as usual") + f", the limit was not met: {what}, {again_bytes:,} B",
                                code=code)
