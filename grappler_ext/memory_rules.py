@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from grappler_ext import folding, shapes
-from grappler_ext.op_types import ARG_REDUCTIONS, BRANCH_TYPES, MATMULS, reserve_space
+from grappler_ext.op_types import ARG_REDUCTIONS, MATMULS, reserve_space
 from grappler_ext.xla_facts import (
     FUSED_REDUCTION_MAX,
     MATVEC_FUSION_MAX_BYTES,
@@ -551,100 +551,3 @@ _register("Softmax LogSoftmax",
 _register("SparseSoftmaxCrossEntropyWithLogits SoftmaxCrossEntropyWithLogits",
           Rule(Kind.LIBRARY, scratch=_softmax_scratch, recomputes_operand=True))
 
-
-# --- conditionals -----------------------------------------------------------------------------
-# A conditional (tf.cond, tf.switch_case: mixed precision's loss scaling applies the optimizer's
-# update only where the gradients are finite) is a kernel of the program: its operands and results
-# are buffers, and while it runs its branch's temporaries are live beside them -- the most any
-# branch holds beyond its arguments and results, each branch counted by the model on its own graph.
-# A variable only the branches read (an optimizer's slots) is an argument of the whole program.
-
-_BRANCH_MEMO = "_tf_memsafe_branch_estimates"
-
-
-def branch_graphs(op: tf.Operation) -> list | str:
-    """The graphs of a conditional's branches (their inputs are ``op.inputs[1:]``), or why not."""
-    names = ([op.get_attr("then_branch").name, op.get_attr("else_branch").name] if op.type in ("If", "StatelessIf")
-             else [f.name for f in op.get_attr("branches")])
-    graphs = []
-    for name in names:
-        graph, fn = op.graph, None
-        while graph is not None and fn is None:
-            fn = graph._get_function(name)
-            graph = getattr(graph, "outer_graph", None)
-        if getattr(fn, "graph", None) is None:
-            return f"branch `{name}` has no graph to read"
-        graphs.append(fn.graph)
-    return graphs
-
-
-def _branch_estimates(op: tf.Operation) -> list | str:
-    """The model's estimate of each branch of ``op``, or why there is none (memoised on the op)."""
-    from grappler_ext import memory_model  # (the model applied to the branches: imported when used)
-
-    key = shapes.nominal_key()
-    memo = getattr(op, _BRANCH_MEMO, None)
-    if memo is not None and memo[0] == key:
-        return memo[1]
-    graphs = branch_graphs(op)
-    found = graphs
-    if not isinstance(graphs, str):
-        found = []
-        for graph in graphs:
-            est, _ = memory_model.analyse(graph)
-            if est.peak_bytes is None:
-                found = f"branch `{graph.name}`: {est.reason}"
-                break
-            found.append((graph, est))
-    setattr(op, _BRANCH_MEMO, (key, found))
-    return found
-
-
-def _branches_unknown(op: tf.Operation) -> str | None:
-    found = _branch_estimates(op)
-    return found if isinstance(found, str) else None
-
-
-def _branches_scratch(op: tf.Operation, ctx) -> int:
-    """The most a branch holds beyond its arguments and results, and the new values of the variables
-    the branches write (XLA makes them results of the conditional: a branch that does not write one
-    passes its value through; measured, 16 MB for two 4 MB variables updated in a branch, 12 MB for
-    the same updates outside a conditional)."""
-    found = _branch_estimates(op)
-    if isinstance(found, str):
-        return 0
-    written = {}
-    for graph, _ in found:
-        handles = {t.ref(): i for i, t in enumerate(graph.inputs)}      # (the conditional's input i + 1)
-        for inner in graph.get_operations():
-            if inner.type in _VARIABLE_WRITES and inner.inputs[0].ref() in handles:
-                written[handles[inner.inputs[0].ref()]] = _static_nbytes(inner.inputs[1]) or 0
-    held = max([est.peak_bytes - est.parameter_bytes - est.output_bytes for _, est in found] + [0])
-    return held + sum(written.values())
-
-
-def _branches_parameters(op: tf.Operation) -> int:
-    """The bytes of the variables the branches read whose handles nothing outside reads as values."""
-    found = _branch_estimates(op)
-    if isinstance(found, str):
-        return 0
-    counted: dict = {}
-    for graph, _ in found:
-        handles = {t.ref(): i for i, t in enumerate(graph.inputs)}
-        for inner in graph.get_operations():
-            # (a read's value, or the value an update writes: XLA takes the variable as an argument)
-            value = (inner.outputs[0] if inner.type == "ReadVariableOp" else
-                     inner.inputs[1] if inner.type in _VARIABLE_WRITES else None)
-            if value is None or inner.inputs[0].ref() not in handles:
-                continue
-            outer = op.inputs[1 + handles[inner.inputs[0].ref()]]
-            if not any(reader.type == "ReadVariableOp" for reader in outer.consumers()):
-                counted[outer.ref()] = max(counted.get(outer.ref(), 0), _static_nbytes(value) or 0)
-    return sum(counted.values())
-
-
-_VARIABLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
-
-
-_register(" ".join(sorted(BRANCH_TYPES)), Rule(Kind.LIBRARY, scratch=_branches_scratch, unknown_when=_branches_unknown,
-                                                 parameters=_branches_parameters))

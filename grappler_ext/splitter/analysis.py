@@ -381,19 +381,6 @@ def _scaling(options, ops, sliced_inputs: dict, whole: set, factors: dict, dynam
                       [t for t in held if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None])
 
 
-def split_sizes(region: Region) -> frozenset:
-    """The run-time sizes (:func:`grappler_ext.shapes.monomials`) a region's loop runs along: those of
-    the axes it slices its inputs along (whole axes, not a reshape's factors); empty for a static one."""
-    if not region.dynamic:
-        return frozenset()
-    found = set()
-    for ref, axis in region.sliced_inputs.items():
-        dims = None if ref in region.factors else shapes.monomials(ref.deref())
-        if dims is not None and axis < len(dims) and dims[axis] is not None and dims[axis][1]:
-            found.add(dims[axis])
-    return frozenset(found)
-
-
 def _first_whole_axis(sliced_inputs: dict, factors: dict):
     """``(ref, axis)`` of the first input the region slices along an axis of its own (not a factor of
     one), or ``(None, None)``."""

@@ -162,3 +162,17 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequenc
         used |= set(table.sources)
     nominal = {k: values.get(k, size) for k in sorted(used) if k in table.sources}
     return Scaling(rows, table, nominal, frozenset(values), whole, length=axis_monomial if dynamic else None)
+
+
+def split_sizes(region) -> frozenset:
+    """The run-time sizes (:func:`grappler_ext.shapes.monomials`) a region's loop runs along: those of
+    the axes it slices its inputs along (whole axes, not a reshape's factors); empty for a static one
+    (``region``: a :class:`~.loop.Region`)."""
+    if not region.dynamic:
+        return frozenset()
+    found = set()
+    for ref, axis in region.sliced_inputs.items():
+        dims = None if ref in region.factors else shapes.monomials(ref.deref())
+        if dims is not None and axis < len(dims) and dims[axis] is not None and dims[axis][1]:
+            found.add(dims[axis])
+    return frozenset(found)

@@ -24,6 +24,7 @@ from grappler_ext.splitter import (
     policy,
     replay,
     rules,
+    scaling,
     sharding,
     whole_at_run,
 )
@@ -152,7 +153,7 @@ class RegionSearch:
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
         whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + roots)
         forward_loops = mechanism.new_loops(graph, existing)
-        run.split_sizes |= analysis.split_sizes(grown.region)
+        run.split_sizes |= scaling.split_sizes(grown.region)
         try:
             rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
         finally:
@@ -254,7 +255,7 @@ class RegionSearch:
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
             # (a plan again after one over the limit: loops along the run-time sizes it split last)
-            key = (bool(self.run.avoid & analysis.split_sizes(grown.region)),) + policy.rank(
+            key = (bool(self.run.avoid & scaling.split_sizes(grown.region)),) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
