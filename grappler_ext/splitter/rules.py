@@ -1191,28 +1191,11 @@ def _pad(op, output_index, axis):
 # tile(x, m)[.., s:s+c, ..] = tile(x[.., s:s+c, ..], m)   when m = 1 on the axis
 # tile(x, m)[.., s:s+c, ..] = tile(x, m with c on the axis)   when x has 1 there (a broadcast: the
 #                                                             gradient of a mean, ones tiled)
-#   with m computed (tf.shape of another tensor: a causal mask [1, L, L] tiled to the batch, as Keras'
-#   seq2seq example builds it), the same where x's axis is 1, or where x and the result have the same
-#   size on it (m is 1 there), sizes known at run time compared as exact products of the inputs' sizes
 @rule("Tile")
 def _tile(op, output_index, axis):
     multiples = _const(op.inputs[1])
     if multiples is None:
-        ins, outs = shapes.exact_dims(op.inputs[0]), shapes.exact_dims(op.outputs[0])
-        size = None if ins is None else ins[axis]
-        if size != 1 and not (size and outs is not None and outs[axis] == size):
-            return _not_constant(op, "the multiples")
-        dims = _dims(op.outputs[0])
-
-        def rebuild(op, inputs, chunk):
-            # (the other axes' sizes as the op had them: the multiples read whole leave them unknown)
-            times = (_sizes([None] * len(dims), axis, chunk, op.inputs[1].dtype, inputs[1]) if size == 1
-                     else inputs[1])
-            out = tf.tile(inputs[0], times)
-            out.set_shape([(chunk if isinstance(chunk, int) else None) if i == axis else d for i, d in enumerate(dims)])
-            return [out]
-
-        return Propagation((None if size == 1 else axis, None), (axis,), rebuild)
+        return _not_constant(op, "the multiples")
     if int(multiples[axis]) != 1 and _dims(op.inputs[0])[axis] == 1:
         times = [int(m) for m in multiples]
 

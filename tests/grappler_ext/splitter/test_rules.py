@@ -395,26 +395,6 @@ case("Tile", lambda x: tf.tile(x, [1, 2, 1]), _x3, refused={1: "repeats axis 1, 
 # tiled axis too, the tile rebuilt with the chunk's multiple.
 case("Tile", lambda x: tf.tile(x, [2, 4, 1]), [_data([3, 1, 5], F32)], id="Tile-of-a-broadcast",
      refused={0: "repeats axis 0, the split axis, 2 times"})
-
-
-def _tiled(shape, multiples):
-    """``tf.tile(x, multiples(m))`` with its multiples computed from the input ``m`` (not a constant),
-    its result's static ``shape`` set as the run gives it."""
-    def fn(x, m):
-        out = tf.tile(x, multiples(m))
-        out.set_shape(shape)
-        return out
-    return fn
-
-
-# Multiples computed (a causal mask [1, L, L] tiled to a batch read from tf.shape): split along the
-# axis of size 1 in x, the tile rebuilt with the chunk there; along an axis the tile leaves as it is;
-# not along one it repeats.
-case("Tile", _tiled([3, 4, 5], lambda m: tf.concat([m, [1, 1]], 0)), [_data([1, 4, 5], I32), _data([1], I32, 1, 3, 4)],
-     id="Tile-computed-multiples")
-case("Tile", _tiled([3, 4, 5], lambda m: tf.concat([[1], m, [1]], 0)),
-     [_data([3, 2, 5], F32), _data([1], I32, 1, 2, 3)], id="Tile-computed-multiples-repeating",
-     refused={1: "the multiples is not a constant"})
 case("BroadcastTo", lambda x: tf.broadcast_to(x, [3, 4, 5]), [_data([4, 1], F32)])
 case("BroadcastTo", lambda x: tf.broadcast_to(x, [2, 3, 4]), [_data([3, 1], I32)], id="BroadcastTo-i32")
 case("Fill", lambda: tf.fill([3, 4], 2.5), [])
