@@ -310,7 +310,8 @@ def test_a_program_the_model_cannot_estimate_is_decided_by_xlas_figure(counted):
     got, footprint, records, said = run_enabled(step, x, s, limit="6MB")
     assert (Code.OVER_BY_XLA in [r.code for r in records]) != counted and footprint <= 6 * 10**6 and said == []
     for g, e in zip(got, expected):
-        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+        # (float32 sums of 3e6 tanh values, reassociated: 4e-5 apart in one run of the suite)
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-4, atol=1e-5 * float(np.abs(e).max()))
 
 
 def test_two_threads_tracing_at_once_under_two_limits_each_get_their_own_plan():
