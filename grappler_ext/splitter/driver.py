@@ -116,14 +116,11 @@ class _Run:
                                                                      self.tuning.dynamic_over)
         if size is None:
             return None
-        raised = nominal.at_least_a_batch(size, self.graph)
-        size, grown = raised, (f" (at least {raised:,}, a batch of the fewest examples planned for)"
-                               if raised > size else "")
         sized = NominalSize(nominal.with_room_for_io(size, self.growth, at.needs, self.limit,
                                                      lambda n: nominal.io_bytes(self.graph, n, at),
                                                      self.tuning.dynamic_io_share), size)
         size = sized.size
-        grows = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit{grown}"
+        grows = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit"
         where = (f"where its inputs and outputs leave the rest {1 - self.tuning.dynamic_io_share:.0%} of the limit "
                  f"(at {sized.grown_to:,}, {grows}, they would take more)" if sized.for_io else grows)
         inputs = nominal.dynamic_inputs(self.graph)

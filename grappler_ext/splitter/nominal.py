@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
 
-__all__ = ["Growth", "Nominal", "dynamic_inputs", "batch_only", "at_least_a_batch", "dimension", "needs_at",
-           "io_bytes", "growth", "nominal_size", "with_room_for_io", "growth_note"]
+__all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_bytes", "growth", "nominal_size",
+           "with_room_for_io", "growth_note"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
@@ -52,22 +52,6 @@ def dynamic_inputs(graph) -> list[tf.Tensor]:
     """The function's own inputs with dimensions known only at run time (what the user chose: a
     ``None`` in an ``input_signature``, a batch from ``tf.data``)."""
     return [t for t in graph.inputs if t.dtype not in (tf.resource, tf.variant) and not t.shape.is_fully_defined()]
-
-
-def batch_only(graph) -> bool:
-    """Whether the function's run-time sizes are its inputs' batches alone (axis 0 of each: Keras'
-    step on a ``tf.data`` pipeline whose last batch may be short)."""
-    inputs = dynamic_inputs(graph)
-    return bool(inputs) and all(t.shape.rank is not None and all(
-        (d is None) == (i == 0) for i, d in enumerate(t.shape.as_list())) for t in inputs)
-
-
-def at_least_a_batch(size: int, graph) -> int:
-    """``size``, but no fewer than :data:`BATCH` where the run-time sizes are batches alone: one
-    example's share can be most of the limit (a GPT's logits over a vocabulary of 20,000 at 1,024
-    tokens, 82 MB of 256 MB: 4x the limit at a batch of 4), and a plan made at 4 and run at the
-    user's batch of 8 went over the limit without a warning; batches are seldom smaller."""
-    return max(size, BATCH) if batch_only(graph) else size
 
 
 def dimension(graph, name: str) -> str:

@@ -357,21 +357,6 @@ def test_the_growth_note_says_where_the_program_is_within_the_limit():
     assert nominal.growth_note(None, 400) == ""
 
 
-def test_a_batch_alone_is_planned_at_no_fewer_than_eight_examples():
-    """A step whose run-time sizes are its inputs' batches alone (Keras on ``tf.data``) is planned at
-    least at a batch of 8 (a GPT's one example can be most of the limit: planned at 4 and run at 8 it
-    went over without a warning); other run-time sizes keep the size their growth gives."""
-    def graph(*specs):
-        return tf.function(lambda *xs: [tf.reduce_sum(x) for x in xs]).get_concrete_function(*specs).graph
-
-    batches = graph(tf.TensorSpec([None, 1024], tf.int32), tf.TensorSpec([None, 1024], tf.int32))
-    assert nominal.batch_only(batches) and nominal.at_least_a_batch(4, batches) == 8
-    assert nominal.at_least_a_batch(15, batches) == 15
-    others = (graph(tf.TensorSpec([None, None, 16])), graph(tf.TensorSpec([8, None])), graph(tf.TensorSpec([8, 3])))
-    for other in others:
-        assert not nominal.batch_only(other) and nominal.at_least_a_batch(4, other) == 4
-
-
 def test_nominal_size_leaves_room_beside_the_inputs_and_outputs():
     """Halved while the inputs and outputs (``io``) are over ``io_share`` of the limit, as long as what
     grows stays over half the limit: a program growing 4 x its inputs and outputs (a Vision
