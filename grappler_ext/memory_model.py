@@ -653,6 +653,18 @@ def _branches_unknown(op: tf.Operation) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def _branch_variables(op: tf.Operation, found: list):
+    """``(input index, variable op, the value it reads or writes)`` for each read or update of a variable
+    whose handle a branch of ``op`` takes (the conditional's input ``index + 1``)."""
+    for graph, _ in found:
+        handles = {t.ref(): i for i, t in enumerate(graph.inputs)}
+        for inner in graph.get_operations():
+            value = (inner.outputs[0] if inner.type == "ReadVariableOp" else
+                     inner.inputs[1] if inner.type in _VARIABLE_WRITES else None)
+            if value is not None and inner.inputs[0].ref() in handles:
+                yield handles[inner.inputs[0].ref()], inner, value
+
+
 def _branches_scratch(op: tf.Operation, ctx) -> int:
     """The most a branch holds beyond its arguments and results, and the new values of the variables
     the branches write (XLA makes them results of the conditional: a branch that does not write one
@@ -661,33 +673,23 @@ def _branches_scratch(op: tf.Operation, ctx) -> int:
     found = _branch_estimates(op)
     if isinstance(found, str):
         return 0
-    written = {}
-    for graph, _ in found:
-        handles = {t.ref(): i for i, t in enumerate(graph.inputs)}      # (the conditional's input i + 1)
-        for inner in graph.get_operations():
-            if inner.type in _VARIABLE_WRITES and inner.inputs[0].ref() in handles:
-                written[handles[inner.inputs[0].ref()]] = _static_nbytes(inner.inputs[1]) or 0
+    written = {i: _static_nbytes(value) or 0 for i, inner, value in _branch_variables(op, found)
+               if inner.type in _VARIABLE_WRITES}
     held = max([est.peak_bytes - est.parameter_bytes - est.output_bytes for _, est in found] + [0])
     return held + sum(written.values())
 
 
 def _branches_parameters(op: tf.Operation) -> int:
-    """The bytes of the variables the branches read whose handles nothing outside reads as values."""
+    """The bytes of the variables the branches read or write whose handles nothing outside reads as
+    values (XLA takes each variable a branch touches as an argument of the program)."""
     found = _branch_estimates(op)
     if isinstance(found, str):
         return 0
     counted: dict = {}
-    for graph, _ in found:
-        handles = {t.ref(): i for i, t in enumerate(graph.inputs)}
-        for inner in graph.get_operations():
-            # (a read's value, or the value an update writes: XLA takes the variable as an argument)
-            value = (inner.outputs[0] if inner.type == "ReadVariableOp" else
-                     inner.inputs[1] if inner.type in _VARIABLE_WRITES else None)
-            if value is None or inner.inputs[0].ref() not in handles:
-                continue
-            outer = op.inputs[1 + handles[inner.inputs[0].ref()]]
-            if not any(reader.type == "ReadVariableOp" for reader in outer.consumers()):
-                counted[outer.ref()] = max(counted.get(outer.ref(), 0), _static_nbytes(value) or 0)
+    for i, _, value in _branch_variables(op, found):
+        outer = op.inputs[1 + i]
+        if not any(reader.type == "ReadVariableOp" for reader in outer.consumers()):
+            counted[i] = max(counted.get(i, 0), _static_nbytes(value) or 0)
     return sum(counted.values())
 
 

@@ -255,7 +255,8 @@ class RegionSearch:
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
             # (a plan again after one over the limit: loops along the run-time sizes it split last)
-            key = (bool(self.run.avoid & scaling.split_sizes(grown.region)),) + policy.rank(
+            avoided = bool(self.run.avoid) and bool(self.run.avoid & scaling.split_sizes(grown.region))
+            key = (avoided,) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
             if best is None or key < best.key:
