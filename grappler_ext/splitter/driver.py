@@ -284,19 +284,15 @@ class _Run:
         result, wanted = self.result, self.limit
         mark = len(journal)
         tried, after, measured = self._planned(est, info, limit)
-        alternatives = [({"relaxed": True}, Code.LARGE_JOINS_ALLOWED, "regions whose joined result is large for "
-                         "the limit allowed", lambda records: any(r.code == Code.JOINED_TOO_LARGE for r in records),
-                         1.0)]
-        if self.growth is not None and self.split_sizes:
-            # (the sizes the plan kept so far split along: the first's, or the relaxed one's)
-            alternatives.append((None, Code.OTHER_SIZES, "loops along other run-time sizes first",
-                                 lambda records: True, self.tuning.other_sizes_gain))
         kept: dict = {}
         try:
-            for change, code, what, applies, gain in alternatives:
-                if not (self.pending or (measured is not None and measured > wanted)) or not applies(tried.records):
+            for code in (Code.LARGE_JOINS_ALLOWED, Code.OTHER_SIZES):
+                if not (self.pending or (measured is not None and measured > wanted)):
+                    break
+                way = self._another_way(code, tried)
+                if way is None:
                     continue
-                change = change or {"avoid": frozenset(self.split_sizes)}
+                change, what, gain = way
                 first_warnings = list(self.pending)
                 first_bytes, _ = self._size(after, measured)
                 journal.undo(to=mark)
@@ -326,6 +322,20 @@ class _Run:
                 f"`{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
                 f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
                 "usefully. It will run as well as it can; raise memory_limit.")
+
+    def _another_way(self, code: Code, tried: PassResult) -> tuple[dict, str, float] | None:
+        """How :meth:`_split` plans again after ``tried`` failed (``code`` says which way): the run's
+        ways changed, what that is, and the share of the first's figure it must come under; ``None``
+        where that way does not apply."""
+        if code == Code.LARGE_JOINS_ALLOWED:
+            if not any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
+                return None
+            return {"relaxed": True}, "regions whose joined result is large for the limit allowed", 1.0
+        if self.growth is None or not self.split_sizes:
+            return None
+        # (the sizes the plan kept so far split along: the first's, or the relaxed one's)
+        return ({"avoid": frozenset(self.split_sizes)}, "loops along other run-time sizes first",
+                self.tuning.other_sizes_gain)
 
     def _set_ways(self, ways: dict) -> None:
         """The ways of planning :meth:`_split` may change (``relaxed``, ``avoid``) as a run starts with
