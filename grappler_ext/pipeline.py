@@ -86,6 +86,7 @@ class PipelineResult:
     results: list[PassResult] = dataclasses.field(default_factory=list)
     iterations: int = 0
     reached_fixed_point: bool = True
+    warnings: list[str] = dataclasses.field(default_factory=list)   # the passes' warnings, as given at the end
 
     @property
     def changed(self) -> bool:
@@ -180,6 +181,7 @@ class Pipeline:
             messages = list(dict.fromkeys(m for ms in said.values() for m in ms))
             if messages and said_by is not None:
                 messages = self._still_holding(graph, options, result, said_by, messages)
+        result.warnings = list(messages)
         for message in messages:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return result

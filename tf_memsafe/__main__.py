@@ -11,9 +11,10 @@ to stderr: one line per function traced while enabled: its name, status, the mem
 estimate of the program as traced ("before"), XLA's "Total bytes used" of each program it
 compiled during the run ("after", measured: XLA dumps into a private directory for the run, see
 :func:`tf_memsafe.xla_flags.dump_all_compiles`; ``--no-measure`` turns that off), and the reason
-or the number of rewrites; ``--explain`` adds each function's pass records.  The script's exit
-status is kept.  Bad arguments (a malformed ``--memory-limit``, a ``--disable-pass`` naming no known
-pass) get one error line and exit status 2, before the script starts.
+or the number of rewrites; under it, for a function planned at nominal sizes, XLA's figure at each
+larger shape it ran at (:mod:`tf_memsafe.run_check`); ``--explain`` adds each function's pass records.
+The script's exit status is kept.  Bad arguments (a malformed ``--memory-limit``, a ``--disable-pass``
+naming no known pass) get one error line and exit status 2, before the script starts.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def _summary(traces: Sequence[TraceReport], explain: bool, modules: Sequence[tup
         rows.append((*row, detail))
     for t, line in zip(traces, align_columns(rows)):
         lines.append("  " + line)
+        lines += [f"      ran {check.render()}" for check in t.run_checks]
         if explain and t.pipeline is not None:
             lines += ["      " + record_line for record_line in format_records(t.records)]
     return "\n".join(lines)

@@ -28,6 +28,11 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   locals hold the call's arguments (DTensor inputs among them: :func:`call_arguments`);
 * ``atomic_function.from_func_graph`` takes the function's body from ``graph.get_operations()``
   (every op, reachable or not: :func:`export_only` has a rewritten graph give only those it keeps);
+* every call of a traced function's program, from Python or from a function being traced, goes
+  through ``ConcreteFunction._call_flat(self, tensor_inputs, captured_inputs)`` (``tensor_inputs`` in
+  the order of the graph's non-captured inputs), and a trace's nested calls happen inside its
+  ``_create_concrete_function`` frame (whose ``tracing_options`` say whether XLA compiles it): a
+  wrapper checks the shapes each call runs at (:func:`install_call_check`);
 * ``backprop.GradientTape.gradient(self, target, sources, output_gradients, unconnected_gradients)``
   is the one entry point of tape gradients (Keras optimizers and GPflow's Scipy call it): a wrapper
   around it records, while a function is traced, what each call differentiated.
@@ -48,7 +53,8 @@ __all__ = [
     "SUPPORTED_TF", "check_supported", "register_transform", "unregister_transform",
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
     "tape_functions", "calls_xla_function", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
-    "uninstall_gradient_recorder", "call_arguments", "export_only",
+    "uninstall_gradient_recorder", "call_arguments", "export_only", "install_call_check", "uninstall_call_check",
+    "tracing_for_xla_or_data",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -335,3 +341,53 @@ def uninstall_gradient_recorder() -> None:
     if _original_gradient is not None:
         backprop.GradientTape.gradient = _original_gradient
         _original_gradient = None
+
+
+_original_call_flat = None
+
+
+def install_call_check(check: Callable[[Any, list], list]) -> None:
+    """Wrap ``ConcreteFunction._call_flat`` -- where every call of a traced function's program goes, from
+    Python or from a function being traced -- so that it calls with ``check(concrete_fn, tensor_inputs)``:
+    the inputs themselves, or the same values made to wait for a check (idempotent).  ``check``
+    failing never breaks the call."""
+    global _original_call_flat
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    if _original_call_flat is not None:
+        return
+    original = concrete_function.ConcreteFunction._call_flat
+
+    @functools.wraps(original)
+    def _call_flat(self, tensor_inputs, captured_inputs):
+        try:
+            tensor_inputs = check(self, tensor_inputs)
+        except Exception:  # noqa: BLE001 - the check is best effort; the user's call stands
+            pass
+        return original(self, tensor_inputs, captured_inputs)
+
+    concrete_function.ConcreteFunction._call_flat = _call_flat
+    _original_call_flat = original
+
+
+def uninstall_call_check() -> None:
+    global _original_call_flat
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    if _original_call_flat is not None:
+        concrete_function.ConcreteFunction._call_flat = _original_call_flat
+        _original_call_flat = None
+
+
+def tracing_for_xla_or_data() -> bool:
+    """Whether a function being traced now, at any depth of the calling frames, is compiled by XLA
+    (``jit_compile=True``) or is a ``tf.data`` transformation: a call made inside it cannot be given an
+    op that runs Python.  (Not the graph's XLA context: a jit function's own call enters one.)"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == _TRACE_FRAME and "tracing_options" in frame.f_locals:
+            attributes = getattr(frame.f_locals["tracing_options"], "attributes", None) or {}
+            if attributes.get(XLA_MUST_COMPILE, False) or attributes.get(_TF_DATA_FUNCTION, False):
+                return True
+        frame = frame.f_back
+    return False

@@ -79,13 +79,18 @@ class Options(PassOptions):
         that a slice's gradient sees the very values its forward drew.  The values are other draws of
         the same distribution, not the unsplit program's.  Off by default: a region with a random
         draw in it is not split through it (the record names the op and this option).
+      check_at_run: a function planned at nominal sizes (its inputs have dimensions known only at
+        run time) is checked again, by XLA's figure for its program at the shape it runs at, the
+        first time it runs at a shape larger in some dimension than those judged before; one warning
+        if that is over the limit (:mod:`tf_memsafe.run_check`).  One extra compile (never run) per
+        such shape; off: the plan is judged at its nominal sizes only.
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.
 
     The switches (``rewrite_non_jit``, ``strict``, ``verify``, ``calibrate_chunks``, ``check_programs``,
-    ``redraw_random``, ``exla_flags``) take ``True`` or ``False`` only: ``"no"``, ``None`` or ``1`` are
-    refused rather than read by truthiness.
+    ``redraw_random``, ``check_at_run``, ``exla_flags``) take ``True`` or ``False`` only: ``"no"``, ``None``
+    or ``1`` are refused rather than read by truthiness.
     """
 
     # The passes' fields (memory_limit_bytes, disabled_passes, verify, max_fixed_point_iterations,
@@ -94,6 +99,7 @@ class Options(PassOptions):
     memory_limit_fraction: float | None = 0.8
     rewrite_non_jit: bool = False
     strict: bool = False
+    check_at_run: bool = True
     exla_flags: bool = True
 
     def __post_init__(self):

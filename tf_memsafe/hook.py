@@ -33,11 +33,12 @@ import tensorflow as tf
 
 from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
-from tf_memsafe import _tf_internals, config, dtensor_inputs
+from grappler_ext.splitter.outcome import NominalSize
+from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
-           "report_mark", "reports_since", "limit_bytes", "product_pipeline",
+           "report_mark", "reports_since", "limit_bytes", "product_pipeline", "in_pipeline",
            "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
@@ -66,6 +67,8 @@ class TraceReport:
       retraced: the first trace of a ``jit_compile=True`` function that created variables in it;
         TensorFlow traces the function again without creating them and compiles and runs only that
         trace (reported after this one), so this one is left as traced, never compiled.
+      run_checks: for a function planned at nominal sizes, the shapes it ran at beyond them, each
+        with XLA's figure there (:class:`tf_memsafe.run_check.ShapeCheck`), filled as it runs.
     """
 
     function_name: str
@@ -77,6 +80,7 @@ class TraceReport:
     model_before_bytes: int | None = None
     rewrite_seconds: float | None = None
     retraced: bool = False
+    run_checks: list = dataclasses.field(default_factory=list)
 
     @property
     def records(self):
@@ -135,6 +139,11 @@ def use_pipeline(pipeline: Pipeline) -> Iterator[Pipeline]:
     finally:
         with _lock:
             _pipeline_override.remove(pipeline)
+
+
+def in_pipeline() -> bool:
+    """Whether this thread is inside the pipeline's run, or a block :func:`suspended` it."""
+    return _depth() > 0
 
 
 @contextlib.contextmanager
@@ -243,8 +252,22 @@ def transform(graph) -> None:
         _tf_internals.export_only(graph, graph_query.kept_ops)
     status = "rewritten" if result.changed else "unchanged"
     reason = "" if result.changed else "no pass found anything to rewrite"
-    _report(TraceReport(name, info.xla_compiled, status, reason, opts.memory_limit_bytes, result, before,
-                        time.perf_counter() - start))
+    report = TraceReport(name, info.xla_compiled, status, reason, opts.memory_limit_bytes, result, before,
+                         time.perf_counter() - start)
+    _watch_run_time_sizes(graph, opts, report)
+    _report(report)
+
+
+def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
+    """A function planned at nominal sizes, and said to fit there, is checked at the shapes it runs at
+    (:mod:`tf_memsafe.run_check`); one the passes warned about was told already."""
+    if not (opts.check_at_run and report.xla_compiled and opts.memory_limit_bytes and report.pipeline
+            and not report.pipeline.warnings):
+        return
+    planned = {name: shape for rec in report.records if isinstance(rec.plan, NominalSize)
+               for name, shape in rec.plan.inputs}
+    if planned:
+        run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks)
 
 
 def _model_estimate(graph) -> int | None:
@@ -263,9 +286,11 @@ def _sync_registration() -> None:
     if _installed or _active_threads:
         _tf_internals.register_transform(transform)
         _tf_internals.install_gradient_recorder(_record_gradient)
+        _tf_internals.install_call_check(run_check.on_call)
     else:
         _tf_internals.unregister_transform(transform)
         _tf_internals.uninstall_gradient_recorder()
+        _tf_internals.uninstall_call_check()
 
 
 def _record_gradient(target, sources, output_gradients, unconnected, result) -> None:

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import os
 import re
+from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
@@ -259,8 +260,10 @@ def live_definition(graph) -> graph_pb2.GraphDef:
     return definition
 
 
-def graph_bytes(graph) -> int:
-    """XLA's "Total bytes used" for a function's graph as it stands now (a ``FuncGraph`` being traced).
+def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
+    """XLA's "Total bytes used" for a function's graph as it stands now (a ``FuncGraph`` being traced),
+    or, given ``shapes_at`` (one shape per argument, in order), for the program XLA compiles when the
+    function runs with arguments of those shapes.
 
     A copy of the graph is compiled -- never run -- as a function of its own: the graph's inputs
     become the copy's arguments (static shapes needed), its captured tensors (variables' handles,
@@ -277,9 +280,17 @@ def graph_bytes(graph) -> int:
         raise MeasurementError(f"`{graph.name}` has no outputs to compile")
     captured = {internal.name: external for external, internal in graph.captures}
     arguments = [t for t in graph.inputs if t.name not in captured]
+    if any(t.dtype in (tf.resource, tf.variant) for t in arguments):
+        raise MeasurementError(f"`{graph.name}` has an input of a handle type")
+    if shapes_at is not None:
+        if len(shapes_at) != len(arguments):
+            raise MeasurementError(f"`{graph.name}` has {len(arguments)} arguments, {len(shapes_at)} shapes given")
+        specs = [tf.TensorSpec(shape, t.dtype) for shape, t in zip(shapes_at, arguments)]
     # Dimensions known only at run time are compiled at the nominal size the splitter plans at.
-    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in arguments):
-        raise MeasurementError(f"`{graph.name}` has an input without a static shape or of a handle type")
+    elif any(not shapes.is_static(t) for t in arguments):
+        raise MeasurementError(f"`{graph.name}` has an input without a static shape")
+    else:
+        specs = [shapes.concrete_spec(t) for t in arguments]
     _require_initialized_variables(captured.values(), f"`{graph.name}`")
     definition = live_definition(graph)
     replaced = {t.op.name for t in graph.inputs}
@@ -299,7 +310,7 @@ def graph_bytes(graph) -> int:
 
     fn = tf.function(copy, jit_compile=True, autograph=False)
     with tf.init_scope():
-        return compiled_bytes(fn, *[shapes.concrete_spec(t) for t in arguments])
+        return compiled_bytes(fn, *specs)
 
 
 class XlaMeasurer:

@@ -11,6 +11,8 @@ builds the loop), :mod:`.measure` (XLA's figures, by the injected measurer) to c
 
 from __future__ import annotations
 
+import dataclasses
+
 from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
@@ -120,6 +122,7 @@ class _Run:
                                                      lambda n: nominal.io_bytes(self.graph, n, at),
                                                      self.tuning.dynamic_io_share), size)
         size = sized.size
+        sized = dataclasses.replace(sized, inputs=nominal.planned_shapes(self.graph, size, at))
         grows = f"where what grows with them is {self.tuning.dynamic_over:g} x the limit"
         where = (f"where its inputs and outputs leave the rest {1 - self.tuning.dynamic_io_share:.0%} of the limit "
                  f"(at {sized.grown_to:,}, {grows}, they would take more)" if sized.for_io else grows)

@@ -27,7 +27,7 @@ import tensorflow as tf
 from grappler_ext import memory_model, shapes
 
 __all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_bytes", "growth", "nominal_size",
-           "with_room_for_io", "growth_note"]
+           "with_room_for_io", "growth_note", "planned_shapes"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
@@ -114,6 +114,12 @@ def needs_at(graph, size: int, at: Nominal | None = None) -> int | None:
     if est.peak_bytes is not None:
         return est.peak_bytes
     return est.parameter_bytes + est.constant_bytes + est.live_peak_bytes
+
+
+def planned_shapes(graph, size: int, at: Nominal) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The shapes of the function's inputs with run-time dimensions at ``size`` (read as ``at`` says), by name."""
+    with at.sizes(size):
+        return tuple((t.name, tuple(shapes.dims(t))) for t in dynamic_inputs(graph) if shapes.dims(t) is not None)
 
 
 def io_bytes(graph, size: int, at: Nominal | None = None) -> int:

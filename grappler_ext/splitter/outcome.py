@@ -318,10 +318,13 @@ class NominalSize:
     """The size a program's run-time dimensions were planned at (the ``Code.DYNAMIC_SHAPES`` record of a
     nominal plan): ``size``, and ``grown_to``, where what grows with them is ``Tuning.dynamic_over`` x the
     limit; ``size`` is smaller where the function's inputs and outputs would take over
-    ``Tuning.dynamic_io_share`` of the limit there."""
+    ``Tuning.dynamic_io_share`` of the limit there.  ``inputs``: the shapes the function's inputs with
+    run-time dimensions were planned at, by name (the program was judged there: a run at larger
+    sizes is the caller's to check)."""
 
     size: int
     grown_to: int
+    inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def for_io(self) -> bool:

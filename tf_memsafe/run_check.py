@@ -1,0 +1,176 @@
+"""Each shape a function planned at nominal sizes runs at, checked by XLA's figure when it first runs there.
+
+A function whose inputs have dimensions known only at run time (a ``None`` in its ``input_signature``,
+Keras' ``fit`` on ``tf.data`` batches) is planned at one nominal size (``grappler_ext.splitter.nominal``)
+and judged there.  XLA compiles it again for every concrete shape it runs at, and at sizes larger than
+the nominal ones what no loop splits (the inputs, a batch's logits kept whole by a loop along the
+sequence) grows past the limit: keras.io's miniature GPT under 256 MB was planned at a batch of 4 and
+compiled at the run's batch of 8 to 281 MB, with nothing said.  So every call of such a function goes
+through :func:`on_call` (TensorFlow's ``ConcreteFunction._call_flat``, see
+:func:`tf_memsafe._tf_internals.install_call_check`):
+
+* called from Python, its arguments' shapes are read and checked before it runs;
+* called from a function being traced that TensorFlow runs op by op (Keras' ``fit`` runs its
+  jit-compiled step so), an op that runs Python (``tf.py_function``) is given the arguments' shapes and
+  the call waits for it, so each step's shapes are checked before the step runs;
+* called from a function XLA compiles, nothing: it is part of that function's program, judged with it.
+
+A shape is checked only where some dimension is larger than every shape judged before (the nominal
+ones, and those checked at earlier calls): a program does not grow when its sizes shrink.  The check
+compiles the rewritten program at that shape, never runs it (:func:`tf_memsafe.memory.graph_bytes`),
+once per shape.  Over the limit, one warning names the function, the shape, XLA's figure and what to
+do; the function is not checked again after it.  Each check is kept on the function's
+:class:`~tf_memsafe.hook.TraceReport` (``run_checks``) for ``explain()`` and the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+import weakref
+
+import tensorflow as tf
+
+from tf_memsafe.units import format_bytes
+
+__all__ = ["ShapeCheck", "Watch", "WATCH_ATTR", "watch", "on_call", "checks_of"]
+
+WATCH_ATTR = "_tf_memsafe_run_watch"   # on the traced FuncGraph: its Watch
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeCheck:
+    """One shape a watched function ran at: its run-time inputs' ``shapes`` (in the watch's order), XLA's
+    figure for the program at them (``None`` where it could not be measured: ``problem`` says why), and
+    the ``limit`` it was judged against."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    bytes: int | None
+    limit: int
+    problem: str = ""
+
+    @property
+    def over(self) -> bool:
+        return self.bytes is not None and self.bytes > self.limit
+
+    def render(self) -> str:
+        at = ", ".join(_shape(s) for s in self.shapes)
+        if self.bytes is None:
+            return f"at {at}: not measured ({self.problem})"
+        return (f"at {at}: {format_bytes(self.bytes)} by XLA's figure, {'over' if self.over else 'within'} the limit "
+                f"of {format_bytes(self.limit)}")
+
+
+def _shape(dims) -> str:
+    return "[" + ", ".join(f"{d:,}" for d in dims) + "]"
+
+
+class Watch:
+    """What is checked when a function planned at nominal sizes runs: ``graph`` (its rewritten trace),
+    ``names`` and ``positions`` of its inputs with run-time dimensions among its arguments, the shapes
+    they were ``planned`` at, the ``limit``, and where to keep the checks (``checks``, shared with the
+    function's report)."""
+
+    def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]):
+        captured = {internal.name for _, internal in graph.captures}
+        arguments = [t for t in graph.inputs if t.name not in captured]
+        self._graph = weakref.ref(graph)
+        self.name = graph.name
+        self.positions = tuple(i for i, t in enumerate(arguments) if t.name in planned)
+        self.names = tuple(arguments[i].name for i in self.positions)
+        self.static = [t.shape.as_list() for t in arguments]
+        self.planned = tuple(planned[n] for n in self.names)
+        self.limit = limit
+        self.checks = checks
+        self.warned = False
+        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned]
+        self._lock = threading.Lock()
+
+    def covered(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether no dimension of ``shapes`` is larger than those of a shape judged before."""
+        return any(all(len(s) == len(j) and all(a <= b for a, b in zip(s, j)) for s, j in zip(shapes, judged))
+                   for judged in self._judged)
+
+    def check(self, shapes: tuple[tuple[int, ...], ...]) -> ShapeCheck | None:
+        """Measure the program at ``shapes`` unless covered (or said over already); warn once where it is over."""
+        with self._lock:
+            if self.warned or self.covered(shapes):
+                return None
+            self._judged.append(shapes)
+            graph = self._graph()
+            if graph is None:
+                return None
+            result = self._measure(graph, shapes)
+            self.checks.append(result)
+            if result.over:
+                self.warned = True
+                warnings.warn(self._over_message(result), RuntimeWarning, stacklevel=2)
+            return result
+
+    def _measure(self, graph, shapes) -> ShapeCheck:
+        from tf_memsafe import memory  # memory imports the hook, which imports this module
+
+        at = [list(s) for s in self.static]
+        for position, shape in zip(self.positions, shapes):
+            at[position] = list(shape)
+        if any(d is None for s in at for d in s):
+            return ShapeCheck(shapes, None, self.limit, "an input without a run-time size of its own")
+        try:
+            return ShapeCheck(shapes, memory.graph_bytes(graph, at), self.limit)
+        except Exception as e:  # noqa: BLE001 - a check must never break the user's call
+            return ShapeCheck(shapes, None, self.limit, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+    def _over_message(self, result: ShapeCheck) -> str:
+        planned = ", ".join(f"`{n}` {_shape(s)}" for n, s in zip(self.names, self.planned))
+        ran = ", ".join(_shape(s) for s in result.shapes)
+        return (f"tf_memsafe: `{self.name}` was planned with its sizes known only at run time at {planned}, and "
+                f"runs at {ran}: there XLA's figure for it is {format_bytes(result.bytes)}, over the limit of "
+                f"{format_bytes(self.limit)}. Give the function the shapes it runs at (an input_signature with "
+                "static shapes; tf.data's batch(..., drop_remainder=True) or padded_batch with padded_shapes) "
+                "so that it is planned there, or raise memory_limit. Said once for this function; its later "
+                "shapes are not checked.")
+
+
+def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]) -> Watch | None:
+    """Have ``graph``'s calls checked (:func:`on_call`); ``None`` where no input of it has a run-time
+    dimension among those ``planned``."""
+    w = Watch(graph, planned, limit, checks)
+    if not w.positions:
+        return None
+    setattr(graph, WATCH_ATTR, w)
+    return w
+
+
+def checks_of(graph) -> list[ShapeCheck]:
+    w = getattr(graph, WATCH_ATTR, None)
+    return list(w.checks) if w is not None else []
+
+
+def on_call(concrete, tensor_inputs):
+    """The check of one call of ``concrete`` (see the module docstring); returns the inputs to call it with."""
+    w = getattr(getattr(concrete, "graph", None), WATCH_ATTR, None)
+    if w is None or w.warned:
+        return tensor_inputs
+    from tf_memsafe import _tf_internals, hook
+
+    if hook.in_pipeline():
+        return tensor_inputs
+    dynamic = [tensor_inputs[i] for i in w.positions]
+    if tf.executing_eagerly():
+        shapes = tuple(tuple(int(d) for d in t.shape) for t in dynamic)
+        w.check(shapes)
+        return tensor_inputs
+    if _tf_internals.tracing_for_xla_or_data():
+        return tensor_inputs
+
+    def check(*dims):
+        w.check(tuple(tuple(int(d) for d in t.numpy()) for t in dims))
+        return True
+
+    done = tf.py_function(check, [tf.shape(t) for t in dynamic], Tout=tf.bool, name="tf_memsafe_run_check")
+    inputs = list(tensor_inputs)
+    with tf.control_dependencies([done]):
+        for i in w.positions:
+            inputs[i] = tf.identity(inputs[i])
+    return inputs
