@@ -158,6 +158,9 @@ class PassOptions:
         the caller that knows the call's arguments, never by users): no loop slices along them.
       xla_compiled: whether XLA compiles the trace being rewritten (set by the caller that knows, never
         by users): where TensorFlow's kernels and XLA's differ, a pass builds the form of the one that runs.
+      checked_at_run: the caller checks the program by XLA's figure at each shape it runs at (set by the
+        caller that does, never by users): a program with run-time sizes that no plan split is not
+        warned about before it runs, where its sizes are not known.
     """
 
     memory_limit_bytes: int | None = None
@@ -170,6 +173,7 @@ class PassOptions:
     redraw_random: bool = False
     sharded_inputs: tuple[ShardedAxis, ...] = ()
     xla_compiled: bool = True
+    checked_at_run: bool = False
 
 
 class Motive(enum.Enum):

@@ -32,7 +32,8 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   through ``ConcreteFunction._call_flat(self, tensor_inputs, captured_inputs)`` (``tensor_inputs`` in
   the order of the graph's non-captured inputs), and a trace's nested calls happen inside its
   ``_create_concrete_function`` frame (whose ``tracing_options`` say whether XLA compiles it): a
-  wrapper checks the shapes each call runs at (:func:`install_call_check`);
+  wrapper checks the shapes each call runs at (:func:`install_call_check`); ``tf.saved_model.save``
+  traces inside ``save_context.in_save_context()``;
 * ``backprop.GradientTape.gradient(self, target, sources, output_gradients, unconnected_gradients)``
   is the one entry point of tape gradients (Keras optimizers and GPflow's Scipy call it): a wrapper
   around it records, while a function is traced, what each call differentiated.
@@ -54,7 +55,7 @@ __all__ = [
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
     "tape_functions", "calls_xla_function", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
     "uninstall_gradient_recorder", "call_arguments", "export_only", "install_call_check", "uninstall_call_check",
-    "tracing_for_xla_or_data",
+    "tracing_without_python",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -379,10 +380,15 @@ def uninstall_call_check() -> None:
         _original_call_flat = None
 
 
-def tracing_for_xla_or_data() -> bool:
-    """Whether a function being traced now, at any depth of the calling frames, is compiled by XLA
-    (``jit_compile=True``) or is a ``tf.data`` transformation: a call made inside it cannot be given an
-    op that runs Python.  (Not the graph's XLA context: a jit function's own call enters one.)"""
+def tracing_without_python() -> bool:
+    """Whether a function being traced now cannot be given an op that runs Python: one, at any depth of
+    the calling frames, is compiled by XLA (``jit_compile=True``) or is a ``tf.data`` transformation, or
+    it is traced to be saved (``tf.saved_model.save``: a loaded program has no Python to call).  (Not the
+    graph's XLA context: a jit function's own call enters one.)"""
+    from tensorflow.python.saved_model import save_context
+
+    if save_context.in_save_context():
+        return True
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == _TRACE_FRAME and "tracing_options" in frame.f_locals:

@@ -226,8 +226,9 @@ def transform(graph) -> None:
     before = None
     start = time.perf_counter()
     try:
-        opts = dataclasses.replace(_resolved_options(graph), sharded_inputs=sharded,
-                                   xla_compiled=info.xla_compiled)
+        opts = _resolved_options(graph)
+        opts = dataclasses.replace(opts, sharded_inputs=sharded, xla_compiled=info.xla_compiled,
+                                   checked_at_run=_checked_at_run(opts, info.xla_compiled))
         before = _model_estimate(graph)
         traced_ops = len(graph.get_operations())
         result = _pipeline().run(graph, opts)
@@ -258,16 +259,18 @@ def transform(graph) -> None:
     _report(report)
 
 
+def _checked_at_run(opts, xla_compiled: bool) -> bool:
+    return bool(opts.check_at_run and xla_compiled and opts.memory_limit_bytes)
+
+
 def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
-    """A function planned at nominal sizes, and said to fit there, is checked at the shapes it runs at
-    (:mod:`tf_memsafe.run_check`); one the passes warned about was told already."""
-    if not (opts.check_at_run and report.xla_compiled and opts.memory_limit_bytes and report.pipeline
-            and not report.pipeline.warnings):
+    """A function with inputs of run-time sizes is checked at the shapes it runs at beyond those it was
+    planned at, if any (:mod:`tf_memsafe.run_check`); one the passes warned about was told already."""
+    if not (_checked_at_run(opts, report.xla_compiled) and report.pipeline and not report.pipeline.warnings):
         return
     planned = {name: shape for rec in report.records if isinstance(rec.plan, NominalSize)
                for name, shape in rec.plan.inputs}
-    if planned:
-        run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks)
+    run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks)
 
 
 def _model_estimate(graph) -> int | None:

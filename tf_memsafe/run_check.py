@@ -1,13 +1,13 @@
-"""Each shape a function planned at nominal sizes runs at, checked by XLA's figure when it first runs there.
+"""Each shape a function with run-time sizes runs at, checked by XLA's figure when it first runs there.
 
 A function whose inputs have dimensions known only at run time (a ``None`` in its ``input_signature``,
 Keras' ``fit`` on ``tf.data`` batches) is planned at one nominal size (``grappler_ext.splitter.nominal``)
-and judged there.  XLA compiles it again for every concrete shape it runs at, and at sizes larger than
-the nominal ones what no loop splits (the inputs, a batch's logits kept whole by a loop along the
-sequence) grows past the limit: keras.io's miniature GPT under 256 MB was planned at a batch of 4 and
-compiled at the run's batch of 8 to 281 MB, with nothing said.  So every call of such a function goes
-through :func:`on_call` (TensorFlow's ``ConcreteFunction._call_flat``, see
-:func:`tf_memsafe._tf_internals.install_call_check`):
+and judged there, or left as traced where no plan split it.  XLA compiles it again for every concrete
+shape it runs at, and at sizes larger than the nominal ones what no loop splits (the inputs, a batch's
+logits kept whole by a loop along the sequence) grows past the limit: keras.io's miniature GPT under
+256 MB was planned at a batch of 4 and compiled at the run's batch of 8 to 281 MB, with nothing said.
+So every call of such a function goes through :func:`on_call` (TensorFlow's
+``ConcreteFunction._call_flat``, see :func:`tf_memsafe._tf_internals.install_call_check`):
 
 * called from Python, its arguments' shapes are read and checked before it runs;
 * called from a function being traced that TensorFlow runs op by op (Keras' ``fit`` runs its
@@ -16,7 +16,7 @@ through :func:`on_call` (TensorFlow's ``ConcreteFunction._call_flat``, see
 * called from a function XLA compiles, nothing: it is part of that function's program, judged with it.
 
 A shape is checked only where some dimension is larger than every shape judged before (the nominal
-ones, and those checked at earlier calls): a program does not grow when its sizes shrink.  The check
+ones, if planned, and those checked at earlier calls): a program does not grow when its sizes shrink.  The check
 compiles the rewritten program at that shape, never runs it (:func:`tf_memsafe.memory.graph_bytes`),
 once per shape.  Over the limit, one warning names the function, the shape, XLA's figure and what to
 do; the function is not checked again after it.  Each check is kept on the function's
@@ -67,24 +67,25 @@ def _shape(dims) -> str:
 
 
 class Watch:
-    """What is checked when a function planned at nominal sizes runs: ``graph`` (its rewritten trace),
-    ``names`` and ``positions`` of its inputs with run-time dimensions among its arguments, the shapes
-    they were ``planned`` at, the ``limit``, and where to keep the checks (``checks``, shared with the
-    function's report)."""
+    """What is checked when a function with inputs of run-time sizes runs: ``graph`` (its trace, as
+    rewritten), ``names`` and ``positions`` of those inputs among its arguments, the shapes they were
+    ``planned`` at (``None``: no plan split it), the ``limit``, and where to keep the checks
+    (``checks``, shared with the function's report)."""
 
     def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]):
         captured = {internal.name for _, internal in graph.captures}
         arguments = [t for t in graph.inputs if t.name not in captured]
         self._graph = weakref.ref(graph)
         self.name = graph.name
-        self.positions = tuple(i for i, t in enumerate(arguments) if t.name in planned)
+        self.positions = tuple(i for i, t in enumerate(arguments) if t.dtype not in (tf.resource, tf.variant)
+                               and not t.shape.is_fully_defined())
         self.names = tuple(arguments[i].name for i in self.positions)
-        self.static = [t.shape.as_list() for t in arguments]
-        self.planned = tuple(planned[n] for n in self.names)
+        self.static = [t.shape.as_list() if t.shape.rank is not None else None for t in arguments]
+        self.planned = tuple(planned[n] for n in self.names) if all(n in planned for n in self.names) else None
         self.limit = limit
         self.checks = checks
         self.warned = False
-        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned]
+        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned] if self.planned else []
         self._lock = threading.Lock()
 
     def covered(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
@@ -111,10 +112,10 @@ class Watch:
     def _measure(self, graph, shapes) -> ShapeCheck:
         from tf_memsafe import memory  # memory imports the hook, which imports this module
 
-        at = [list(s) for s in self.static]
+        at = list(self.static)
         for position, shape in zip(self.positions, shapes):
             at[position] = list(shape)
-        if any(d is None for s in at for d in s):
+        if any(s is None or None in s for s in at):
             return ShapeCheck(shapes, None, self.limit, "an input without a run-time size of its own")
         try:
             return ShapeCheck(shapes, memory.graph_bytes(graph, at), self.limit)
@@ -122,19 +123,26 @@ class Watch:
             return ShapeCheck(shapes, None, self.limit, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
     def _over_message(self, result: ShapeCheck) -> str:
-        planned = ", ".join(f"`{n}` {_shape(s)}" for n, s in zip(self.names, self.planned))
         ran = ", ".join(_shape(s) for s in result.shapes)
-        return (f"tf_memsafe: `{self.name}` was planned with its sizes known only at run time at {planned}, and "
-                f"runs at {ran}: there XLA's figure for it is {format_bytes(result.bytes)}, over the limit of "
-                f"{format_bytes(self.limit)}. Give the function the shapes it runs at (an input_signature with "
-                "static shapes; tf.data's batch(..., drop_remainder=True) or padded_batch with padded_shapes) "
-                "so that it is planned there, or raise memory_limit. Said once for this function; its later "
+        if self.planned:
+            planned = ", ".join(f"`{n}` {_shape(s)}" for n, s in zip(self.names, self.planned))
+            what = f"was planned with its sizes known only at run time at {planned}, and runs at {ran}"
+            fix = "so that it is planned there"
+        else:
+            inputs = ", ".join(f"`{n}`" for n in self.names)
+            what = (f"has inputs with sizes known only at run time ({inputs}), and nothing in it was split; "
+                    f"it runs at {ran}")
+            fix = "so that it can be planned and split"
+        return (f"tf_memsafe: `{self.name}` {what}: there XLA's figure for it is {format_bytes(result.bytes)}, over "
+                f"the limit of {format_bytes(self.limit)}. Give the function the shapes it runs at (an "
+                "input_signature with static shapes; tf.data's batch(..., drop_remainder=True) or padded_batch "
+                f"with padded_shapes) {fix}, or raise memory_limit. Said once for this function; its later "
                 "shapes are not checked.")
 
 
 def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]) -> Watch | None:
-    """Have ``graph``'s calls checked (:func:`on_call`); ``None`` where no input of it has a run-time
-    dimension among those ``planned``."""
+    """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
+    where they name every input of run-time sizes; ``None`` where it has none."""
     w = Watch(graph, planned, limit, checks)
     if not w.positions:
         return None
@@ -161,7 +169,7 @@ def on_call(concrete, tensor_inputs):
         shapes = tuple(tuple(int(d) for d in t.shape) for t in dynamic)
         w.check(shapes)
         return tensor_inputs
-    if _tf_internals.tracing_for_xla_or_data():
+    if _tf_internals.tracing_without_python():
         return tensor_inputs
 
     def check(*dims):

@@ -189,14 +189,17 @@ class _Run:
                                 "limit", code=Code.DYNAMIC_SHAPES)
                 return result
             if at_least <= limit and not figure.over(limit):
+                # (over at a size of 1 by the model: its arguments and what does not grow, which no plan at
+                # any size made smaller, a Keras step's weights and optimizer slots)
+                over_at_one = self.growth is not None and self.growth.within(self.limit) is None
+                at_run = not figure.known and self.options.checked_at_run and not over_at_one
                 result.skip([], f"{shown}: left alone, within the limit by XLA's figure ({figure.bytes:,} B)"
-                            if figure.known else f"{shown}: left alone{figure.note()}; give the tf.function an "
-                            "input_signature with static shapes to split it", code=Code.DYNAMIC_SHAPES)
-                if not figure.known and not analysis.creates_variables(self.graph):
+                            if figure.known else f"{shown}: left alone{figure.note()}; " + (
+                                "checked by XLA's figure at each shape it runs at" if at_run else
+                                "give the tf.function an input_signature with static shapes to split it"),
+                            code=Code.DYNAMIC_SHAPES)
+                if not figure.known and not at_run and not analysis.creates_variables(self.graph):
                     # Neither can size it before it runs: the user is told, once a trace that will run.
-                    # (over at a size of 1 by the model: its arguments and what does not grow, which no
-                    # plan at any size made smaller, a Keras step's weights and optimizer slots)
-                    over_at_one = self.growth is not None and self.growth.within(self.limit) is None
                     self.pending.append(
                         f"`{self.graph.name}` has {shown}: its footprint cannot be checked against the limit of "
                         f"{_mb(limit)} before it runs, and nothing in it is split"

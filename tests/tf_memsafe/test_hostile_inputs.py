@@ -176,17 +176,34 @@ def test_nan_and_inf_inputs_give_what_the_unsplit_program_gives():
         np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-10)
 
 
-def test_dynamic_shapes_warn_naming_them_and_what_to_do():
-    """An input of unknown rank beside a run-time size: nothing can be planned."""
+@pytest.mark.parametrize("check_at_run", [True, False])
+def test_dynamic_shapes_warn_naming_them_and_what_to_do(check_at_run):
+    """An input of unknown rank beside a run-time size: nothing can be planned.  Checked as it runs
+    (:mod:`tf_memsafe.run_check`): said at the first shape where XLA's figure is over the limit, naming
+    the inputs; otherwise said when traced."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tf_memsafe.enable("8MB")
+        tf_memsafe.enable("8MB", check_at_run=check_at_run)
         mark = hook.report_mark()
-        tf.function(knn, jit_compile=True).get_concrete_function(tf.TensorSpec(None), tf.TensorSpec([None, 3]))
+        f = tf.function(knn, jit_compile=True, input_signature=[tf.TensorSpec(None), tf.TensorSpec([None, 3])])
+        f.get_concrete_function()
+        traced = ours(caught)
+        if check_at_run:
+            assert traced == []
+            f(tf.zeros([100, 3]), tf.zeros([100, 3]))                      # 40 kB of distances: within
+            assert ours(caught) == []
+            f(tf.zeros([2000, 3]), tf.zeros([2000, 3]))                   # 16 MB of distances: over
     said = ours(caught)
-    assert len(said) == 1 and "dynamic shapes" in said[0] and "input_signature" in said[0], said
-    assert "`x:0` of unknown rank, `y:0` dimension 0 of [?, 3]" in said[0], said
-    assert [r.code for r in splitter_records(mark)] == [Code.DYNAMIC_SHAPES]
+    assert len(said) == 1 and "input_signature" in said[0], said
+    (record,) = splitter_records(mark)
+    assert record.code == Code.DYNAMIC_SHAPES
+    if check_at_run:
+        assert "`x:0`, `y:0`" in said[0] and "[2,000, 3], [2,000, 3]" in said[0], said
+        assert "checked by XLA's figure at each shape it runs at" in record.reason, record.reason
+        (report,) = hook.reports_since(mark)
+        assert [c.over for c in report.run_checks] == [False, True]
+    else:
+        assert "dynamic shapes" in said[0] and "`x:0` of unknown rank, `y:0` dimension 0 of [?, 3]" in said[0], said
 
 
 def test_two_run_time_sizes_are_split_and_exact():

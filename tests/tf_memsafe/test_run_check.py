@@ -145,7 +145,25 @@ class TestCalledFromATracedFunction:
         np.testing.assert_allclose(twice(x), 2 * expected(x), rtol=1e-5)
         graph = twice.get_concrete_function(tf.TensorSpec([50, 3])).graph
         assert not [op for op in graph.get_operations() if op.type in ("EagerPyFunc", "PyFunc")]
-        assert not _tf_internals.tracing_for_xla_or_data()
+        assert not _tf_internals.tracing_without_python()
+
+
+    def test_a_function_traced_to_be_saved_is_given_no_python(self, tmp_path):
+        """A SavedModel is loaded where there is no Python function to call: what calls the function is
+        saved as traced, and runs once loaded."""
+        from tensorflow.python.tools import saved_model_utils
+
+        tf_memsafe.enable(LIMIT)
+        module = tf.Module()
+        module.sums = kernel_sums()
+        module.doubled = tf.function(lambda x: 2.0 * module.sums(x), input_signature=[tf.TensorSpec([None, 3])])
+        tf.saved_model.save(module, str(tmp_path))
+        tf_memsafe.disable()
+        saved = saved_model_utils.get_meta_graph_def(str(tmp_path), "serve").graph_def
+        assert "EagerPyFunc" not in {n.op for f in saved.library.function for n in f.node_def}
+        loaded = tf.saved_model.load(str(tmp_path))
+        x = np.random.default_rng(4).random((20, 3), dtype=np.float32)
+        np.testing.assert_allclose(loaded.doubled(x), 2 * expected(x), rtol=1e-5)
 
 
 class TestWhatIsWatched:
