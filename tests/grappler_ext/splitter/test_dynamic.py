@@ -21,6 +21,7 @@ from grappler_ext.splitter import analysis, nominal, rules, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import always_split
+from tf_memsafe import hook
 
 rng = np.random.RandomState(0)
 DB = tf.constant(rng.randn(2000, 3).astype(np.float32))
@@ -269,19 +270,33 @@ def test_a_padded_batch_attention_keeps_its_limit_at_other_sizes():
         assert after <= limit < before // 4, (b, n, after, limit, before)
 
 
-def test_a_program_that_fits_at_any_useful_size_says_how_far():
+@pytest.mark.parametrize("check_at_run", [True, False])
+def test_a_program_that_fits_at_any_useful_size_says_how_far(check_at_run):
+    """Nothing in it is large for the limit at any size a plan could be made at: left alone, with how far
+    the model puts it within the limit; said when traced, or (checked as it runs) in its record, and
+    said only at a run over the limit."""
     def knn(q):
         return tf.argmin(_sq(q), axis=1)      # the distance and argmin fuse: a few bytes a query
-    tf_memsafe.enable(LIMIT)
+    mark = hook.report_mark()
+    tf_memsafe.enable(LIMIT, check_at_run=check_at_run)
     try:
         f = tf.function(knn, jit_compile=True, input_signature=SPEC)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             f.get_concrete_function()
+            traced = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+            if check_at_run:
+                f(tf.zeros([100, 3]))
     finally:
         tf_memsafe.disable()
     messages = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
-    assert len(messages) == 1 and "within the limit up to about" in messages[0]
+    if check_at_run:
+        (report,) = hook.reports_since(mark)
+        (record,) = [r for r in report.records if r.pass_name == "splitter"]
+        assert traced == messages == [] and "within the limit up to about" in record.reason, record.reason
+        assert [c.over for c in report.run_checks] == [False]
+    else:
+        assert len(messages) == 1 and "within the limit up to about" in messages[0]
 
 
 # --- the pieces ------------------------------------------------------------------------------------
