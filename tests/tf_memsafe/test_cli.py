@@ -194,3 +194,16 @@ class TestMeasuredFigures:
         lines = _summary(traces, False, self.MODULES).splitlines()[1:]
         assert ["never compiled" in line for line in lines] == [True, False, False]
         assert ["XLA 100 B" in lines[1], "XLA 120 B" in lines[2]] == [True, True]
+
+    def test_the_shapes_a_function_was_checked_at_as_it_ran_follow_its_line(self):
+        from tf_memsafe.__main__ import _summary
+        from tf_memsafe.hook import TraceReport
+        from tf_memsafe.run_check import ShapeCheck
+
+        checks = [ShapeCheck(((900, 3),), 900, 1000), ShapeCheck(((2000, 3),), 2000, 1000)]
+        traces = [TraceReport("knn", True, "rewritten", memory_limit_bytes=1000, run_checks=checks),
+                  TraceReport("other", True, "unchanged", "no pass found anything to rewrite")]
+        lines = _summary(traces, False, self.MODULES).splitlines()[1:]
+        assert len(lines) == 4 and lines[0].lstrip().startswith("knn") and lines[3].lstrip().startswith("other")
+        assert lines[1].strip() == "ran at [900, 3]: 900 B by XLA's figure, within the limit of 1000 B"
+        assert lines[2].strip() == "ran at [2,000, 3]: 1.95 KiB by XLA's figure, over the limit of 1000 B"
