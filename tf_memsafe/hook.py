@@ -38,7 +38,7 @@ from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
-           "report_mark", "reports_since", "limit_bytes", "product_pipeline", "in_pipeline",
+           "report_mark", "reports_since", "limit_bytes", "product_pipeline",
            "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
@@ -139,11 +139,6 @@ def use_pipeline(pipeline: Pipeline) -> Iterator[Pipeline]:
     finally:
         with _lock:
             _pipeline_override.remove(pipeline)
-
-
-def in_pipeline() -> bool:
-    """Whether this thread is inside the pipeline's run, or a block :func:`suspended` it."""
-    return _depth() > 0
 
 
 @contextlib.contextmanager
@@ -268,9 +263,16 @@ def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
     planned at, if any (:mod:`tf_memsafe.run_check`); one the passes warned about was told already."""
     if not (_checked_at_run(opts, report.xla_compiled) and report.pipeline and not report.pipeline.warnings):
         return
+    from tf_memsafe.memory import graph_bytes  # memory imports this module (hook.suspended)
+
     planned = {name: shape for rec in report.records if isinstance(rec.plan, NominalSize)
                for name, shape in rec.plan.inputs}
-    run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks)
+    run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes)
+
+
+def _check_call(concrete, tensor_inputs):
+    """A call's check (:func:`tf_memsafe.run_check.on_call`), unless the pipeline runs in this thread."""
+    return tensor_inputs if _depth() else run_check.on_call(concrete, tensor_inputs)
 
 
 def _model_estimate(graph) -> int | None:
@@ -289,7 +291,7 @@ def _sync_registration() -> None:
     if _installed or _active_threads:
         _tf_internals.register_transform(transform)
         _tf_internals.install_gradient_recorder(_record_gradient)
-        _tf_internals.install_call_check(run_check.on_call)
+        _tf_internals.install_call_check(_check_call)
     else:
         _tf_internals.unregister_transform(transform)
         _tf_internals.uninstall_gradient_recorder()

@@ -29,12 +29,15 @@ import dataclasses
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
+from tf_memsafe import _tf_internals
 from tf_memsafe.units import format_bytes
 
-__all__ = ["ShapeCheck", "Watch", "WATCH_ATTR", "watch", "on_call", "checks_of"]
+__all__ = ["ShapeCheck", "Watch", "WATCH_ATTR", "watch", "on_call"]
 
 WATCH_ATTR = "_tf_memsafe_run_watch"   # on the traced FuncGraph: its Watch
 
@@ -69,10 +72,13 @@ def _shape(dims) -> str:
 class Watch:
     """What is checked when a function with inputs of run-time sizes runs: ``graph`` (its trace, as
     rewritten), ``names`` and ``positions`` of those inputs among its arguments, the shapes they were
-    ``planned`` at (``None``: no plan split it), the ``limit``, and where to keep the checks
-    (``checks``, shared with the function's report)."""
+    ``planned`` at (``None``: no plan split it), the ``limit``, where to keep the checks (``checks``,
+    shared with the function's report), and how to measure (``measure(graph, shapes)``: XLA's figure
+    for the graph's program at those argument shapes, :func:`tf_memsafe.memory.graph_bytes`)."""
 
-    def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]):
+    def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
+                 measure: Callable[[Any, list], int]):
+        self._measure_bytes = measure
         captured = {internal.name for _, internal in graph.captures}
         arguments = [t for t in graph.inputs if t.name not in captured]
         self._graph = weakref.ref(graph)
@@ -110,15 +116,13 @@ class Watch:
             return result
 
     def _measure(self, graph, shapes) -> ShapeCheck:
-        from tf_memsafe import memory  # memory imports the hook, which imports this module
-
         at = list(self.static)
         for position, shape in zip(self.positions, shapes):
             at[position] = list(shape)
         if any(s is None or None in s for s in at):
             return ShapeCheck(shapes, None, self.limit, "an input without a run-time size of its own")
         try:
-            return ShapeCheck(shapes, memory.graph_bytes(graph, at), self.limit)
+            return ShapeCheck(shapes, self._measure_bytes(graph, at), self.limit)
         except Exception as e:  # noqa: BLE001 - a check must never break the user's call
             return ShapeCheck(shapes, None, self.limit, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
@@ -140,29 +144,21 @@ class Watch:
                 "shapes are not checked.")
 
 
-def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck]) -> Watch | None:
+def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
+          measure: Callable[[Any, list], int]) -> Watch | None:
     """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
     where they name every input of run-time sizes; ``None`` where it has none."""
-    w = Watch(graph, planned, limit, checks)
+    w = Watch(graph, planned, limit, checks, measure)
     if not w.positions:
         return None
     setattr(graph, WATCH_ATTR, w)
     return w
 
 
-def checks_of(graph) -> list[ShapeCheck]:
-    w = getattr(graph, WATCH_ATTR, None)
-    return list(w.checks) if w is not None else []
-
-
 def on_call(concrete, tensor_inputs):
     """The check of one call of ``concrete`` (see the module docstring); returns the inputs to call it with."""
     w = getattr(getattr(concrete, "graph", None), WATCH_ATTR, None)
     if w is None or w.warned:
-        return tensor_inputs
-    from tf_memsafe import _tf_internals, hook
-
-    if hook.in_pipeline():
         return tensor_inputs
     dynamic = [tensor_inputs[i] for i in w.positions]
     if tf.executing_eagerly():

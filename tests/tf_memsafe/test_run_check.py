@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext.splitter.outcome import NominalSize
 from tf_memsafe import _tf_internals, run_check
 from tf_memsafe.run_check import ShapeCheck
 
@@ -42,15 +43,10 @@ def the_report(name="sums"):
 
 
 def planned_rows(report):
-    (plan,) = [r.plan for r in report.records if isinstance(r.plan, run_check_plan_type())]
-    (_, shape), = plan.inputs
+    """The rows the function was planned at (its nominal size)."""
+    (plan,) = [r.plan for r in report.records if isinstance(r.plan, NominalSize)]
+    ((_, shape),) = plan.inputs
     return shape[0]
-
-
-def run_check_plan_type():
-    from grappler_ext.splitter.outcome import NominalSize
-
-    return NominalSize
 
 
 class TestCalledFromPython:
@@ -195,7 +191,7 @@ class TestCovered:
         ((100, 3), True), ((8000, 3), True), ((8001, 3), True), ((9001, 3), False), ((10, 4), False)])
     def test_a_shape_no_larger_than_one_judged_is_covered(self, shape, covered):
         graph = kernel_sums().get_concrete_function().graph
-        w = run_check.Watch(graph, {graph.inputs[0].name: (8000, 3)}, LIMIT, [])
+        w = run_check.Watch(graph, {graph.inputs[0].name: (8000, 3)}, LIMIT, [], lambda graph, shapes: 0)
         w._judged.append(((9000, 3),))
         assert w.covered((shape,)) is covered
 
