@@ -303,7 +303,22 @@ def flat_compile_args(concrete_fn, args, kwargs) -> list:
     return list(concrete_fn.function_type.unpack_inputs(bound))
 
 
-_original_gradient = None
+_PATCHED: dict[tuple[type, str], Callable] = {}   # (class, method) -> TensorFlow's own method, while wrapped
+
+
+def _wrap_method(cls: type, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+    """Replace ``cls.name`` by ``wrapper(original)`` (idempotent: a method wrapped already stays as it is)."""
+    if (cls, name) in _PATCHED:
+        return
+    original = getattr(cls, name)
+    setattr(cls, name, functools.wraps(original)(wrapper(original)))
+    _PATCHED[(cls, name)] = original
+
+
+def _unwrap_method(cls: type, name: str) -> None:
+    original = _PATCHED.pop((cls, name), None)
+    if original is not None:
+        setattr(cls, name, original)
 
 
 def install_gradient_recorder(record: Callable[..., None]) -> None:
@@ -312,39 +327,29 @@ def install_gradient_recorder(record: Callable[..., None]) -> None:
 
     The wrapper returns exactly what TensorFlow returns; ``record`` failing never breaks the call.
     """
-    global _original_gradient
     from tensorflow.python.eager import backprop
 
-    if _original_gradient is not None:
-        return
-    original = backprop.GradientTape.gradient
+    def wrapper(original):
+        def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
+            from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
-    @functools.wraps(original)
-    def gradient(self, target, sources, output_gradients=None, unconnected_gradients=None):
-        from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+            unconnected = UnconnectedGradients.NONE if unconnected_gradients is None else unconnected_gradients
+            result = original(self, target, sources, output_gradients, unconnected)
+            try:
+                record(target, sources, output_gradients, unconnected, result)
+            except Exception:  # noqa: BLE001 - recording is best effort; the user's gradient stands
+                pass
+            return result
 
-        unconnected = UnconnectedGradients.NONE if unconnected_gradients is None else unconnected_gradients
-        result = original(self, target, sources, output_gradients, unconnected)
-        try:
-            record(target, sources, output_gradients, unconnected, result)
-        except Exception:  # noqa: BLE001 - recording is best effort; the user's gradient stands
-            pass
-        return result
+        return gradient
 
-    backprop.GradientTape.gradient = gradient
-    _original_gradient = original
+    _wrap_method(backprop.GradientTape, "gradient", wrapper)
 
 
 def uninstall_gradient_recorder() -> None:
-    global _original_gradient
     from tensorflow.python.eager import backprop
 
-    if _original_gradient is not None:
-        backprop.GradientTape.gradient = _original_gradient
-        _original_gradient = None
-
-
-_original_call_flat = None
+    _unwrap_method(backprop.GradientTape, "gradient")
 
 
 def install_call_check(check: Callable[[Any, list], list]) -> None:
@@ -352,32 +357,25 @@ def install_call_check(check: Callable[[Any, list], list]) -> None:
     Python or from a function being traced -- so that it calls with ``check(concrete_fn, tensor_inputs)``:
     the inputs themselves, or the same values made to wait for a check (idempotent).  ``check``
     failing never breaks the call."""
-    global _original_call_flat
     from tensorflow.python.eager.polymorphic_function import concrete_function
 
-    if _original_call_flat is not None:
-        return
-    original = concrete_function.ConcreteFunction._call_flat
+    def wrapper(original):
+        def _call_flat(self, tensor_inputs, captured_inputs):
+            try:
+                tensor_inputs = check(self, tensor_inputs)
+            except Exception:  # noqa: BLE001 - the check is best effort; the user's call stands
+                pass
+            return original(self, tensor_inputs, captured_inputs)
 
-    @functools.wraps(original)
-    def _call_flat(self, tensor_inputs, captured_inputs):
-        try:
-            tensor_inputs = check(self, tensor_inputs)
-        except Exception:  # noqa: BLE001 - the check is best effort; the user's call stands
-            pass
-        return original(self, tensor_inputs, captured_inputs)
+        return _call_flat
 
-    concrete_function.ConcreteFunction._call_flat = _call_flat
-    _original_call_flat = original
+    _wrap_method(concrete_function.ConcreteFunction, "_call_flat", wrapper)
 
 
 def uninstall_call_check() -> None:
-    global _original_call_flat
     from tensorflow.python.eager.polymorphic_function import concrete_function
 
-    if _original_call_flat is not None:
-        concrete_function.ConcreteFunction._call_flat = _original_call_flat
-        _original_call_flat = None
+    _unwrap_method(concrete_function.ConcreteFunction, "_call_flat")
 
 
 def tracing_without_python() -> bool:
