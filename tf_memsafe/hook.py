@@ -67,8 +67,9 @@ class TraceReport:
       retraced: the first trace of a ``jit_compile=True`` function that created variables in it;
         TensorFlow traces the function again without creating them and compiles and runs only that
         trace (reported after this one), so this one is left as traced, never compiled.
-      run_checks: for a function planned at nominal sizes, the shapes it ran at beyond them, each
-        with XLA's figure there (:class:`tf_memsafe.run_check.ShapeCheck`), filled as it runs.
+      run_checks: for a function with inputs of run-time sizes, the shapes it ran at beyond those it
+        was planned at (if any), each with XLA's figure there (:class:`tf_memsafe.run_check.ShapeCheck`),
+        filled as it runs.
     """
 
     function_name: str
