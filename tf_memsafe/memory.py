@@ -75,6 +75,19 @@ def _with_defaults(copy, args, kwargs) -> tuple[tuple, dict]:
     return tuple(bound.args), dict(bound.kwargs)
 
 
+def _require_concrete_specs(fn, args, kwargs) -> None:
+    """Raise ``MeasurementError`` where an argument is a ``TensorSpec`` with a dimension known only at run
+    time: XLA compiles a program for each concrete shape, so there is no one figure to give (XLA's
+    bridge would refuse it with "Only support static input shape", naming its own placeholders)."""
+    for spec in tf.nest.flatten((args, kwargs)):
+        if isinstance(spec, tf.TensorSpec) and not spec.shape.is_fully_defined():
+            name = getattr(getattr(fn, "python_function", fn), "__name__", "the function")
+            raise MeasurementError(
+                f"`{name}` is measured for {spec}, whose shape is known only at run time: XLA compiles a "
+                "program for each concrete shape. Pass a tensor, or a TensorSpec with every dimension known "
+                "(the shape to measure at).")
+
+
 def _require_initialized_variables(captured, what: str) -> None:
     """Raise ``MeasurementError`` unless every resource in ``captured`` is an initialized variable.
 
@@ -147,6 +160,7 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     program.  A program XLA splits into several modules reports their sum.
     """
     copy = _fresh_function(fn)
+    _require_concrete_specs(fn, args, kwargs)
     args, kwargs = _with_defaults(copy, args, kwargs)
     def suspend():
         return contextlib.nullcontext() if rewrite else hook.suspended()

@@ -282,6 +282,18 @@ def test_python_defaults_and_keyword_only_arguments():
     assert tf_memsafe.memory_footprint(f, tf.ones([64]), scale=3.0, b=tf.ones([64])) >= 3 * 64 * F32
 
 
+def test_a_spec_of_run_time_size_is_refused_naming_it():
+    """A function with an input_signature of run-time sizes is measured at the shape it is given; a spec
+    with an unknown dimension has no figure (XLA's bridge would say "Only support static input shape"
+    of its own placeholders)."""
+    f = tf.function(lambda x: tf.reduce_sum(x * x), jit_compile=True, input_signature=[tf.TensorSpec([None, 3])])
+    with pytest.raises(tf_memsafe.MeasurementError, match=r"shape=\(None, 3\).*Pass a tensor, or a TensorSpec"):
+        tf_memsafe.memory_footprint(f, tf.TensorSpec([None, 3]))
+    with pytest.raises(tf_memsafe.MeasurementError, match="known only at run time"):
+        tf_memsafe.explain(f, tf.TensorSpec([None, 3]))
+    assert tf_memsafe.memory_footprint(f, tf.TensorSpec([10, 3])) >= 120
+
+
 class TestVariablesNotInitializedYet:
     """Issue 27: a variable created in the trace being measured (a Keras optimizer's slots at its first
     step) is not initialized while the hook measures the graph; XLA's GetCompilerIr would fail a
