@@ -34,6 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from grappler_ext.splitter import nominal
 from tf_memsafe import _tf_internals
 from tf_memsafe.units import format_bytes
 
@@ -83,10 +84,12 @@ class Watch:
         arguments = [t for t in graph.inputs if t.name not in captured]
         self._graph = weakref.ref(graph)
         self.name = graph.name
-        self.positions = tuple(i for i, t in enumerate(arguments) if t.dtype not in (tf.resource, tf.variant)
-                               and not t.shape.is_fully_defined())
+        dynamic = {t.name for t in nominal.dynamic_inputs(graph)}
+        self.positions = tuple(i for i, t in enumerate(arguments) if t.name in dynamic)
         self.names = tuple(arguments[i].name for i in self.positions)
-        self.static = [t.shape.as_list() if t.shape.rank is not None else None for t in arguments]
+        # (a handle's shape, which graph_bytes refuses anyway, may be of unknown rank)
+        self.static = [t.shape.as_list() if t.shape.rank is not None and t.name not in dynamic else None
+                       for t in arguments]
         self.planned = tuple(planned[n] for n in self.names) if all(n in planned for n in self.names) else None
         self.limit = limit
         self.checks = checks
@@ -119,8 +122,6 @@ class Watch:
         at = list(self.static)
         for position, shape in zip(self.positions, shapes):
             at[position] = list(shape)
-        if any(s is None or None in s for s in at):
-            return ShapeCheck(shapes, None, self.limit, "an input without a run-time size of its own")
         try:
             return ShapeCheck(shapes, self._measure_bytes(graph, at), self.limit)
         except Exception as e:  # noqa: BLE001 - a check must never break the user's call
