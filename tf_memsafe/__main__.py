@@ -11,7 +11,7 @@ to stderr: one line per function traced while enabled: its name, status, the mem
 estimate of the program as traced ("before"), XLA's "Total bytes used" of each program it
 compiled during the run ("after", measured: XLA dumps into a private directory for the run, see
 :func:`tf_memsafe.xla_flags.dump_all_compiles`; ``--no-measure`` turns that off), and the reason
-or the number of rewrites; under it, for a function planned at nominal sizes, XLA's figure at each
+or the number of rewrites; under it, for a function with inputs of run-time sizes, XLA's figure at each
 larger shape it ran at (:mod:`tf_memsafe.run_check`); ``--explain`` adds each function's pass records.
 The script's exit status is kept.  Bad arguments (a malformed ``--memory-limit``, a ``--disable-pass``
 naming no known pass) get one error line and exit status 2, before the script starts.

@@ -79,11 +79,12 @@ class Options(PassOptions):
         that a slice's gradient sees the very values its forward drew.  The values are other draws of
         the same distribution, not the unsplit program's.  Off by default: a region with a random
         draw in it is not split through it (the record names the op and this option).
-      check_at_run: a function planned at nominal sizes (its inputs have dimensions known only at
-        run time) is checked again, by XLA's figure for its program at the shape it runs at, the
-        first time it runs at a shape larger in some dimension than those judged before; one warning
-        if that is over the limit (:mod:`tf_memsafe.run_check`).  One extra compile (never run) per
-        such shape; off: the plan is judged at its nominal sizes only.
+      check_at_run: a function whose inputs have dimensions known only at run time (planned at nominal
+        sizes, or left as traced where no plan split it) is checked, by XLA's figure for its program at
+        the shape it runs at, the first time it runs at a shape larger in some dimension than those
+        judged before; one warning if that is over the limit (:mod:`tf_memsafe.run_check`).  One extra
+        compile (never run) per such shape; off: a plan is judged at its nominal sizes only, and a
+        program no plan split is warned about when traced.
       exla_flags: on a TensorFlow build with the eXLA tensor splitter (a fork), let
         :func:`tf_memsafe.enable` pass the limit to it through ``XLA_FLAGS`` (see
         :mod:`tf_memsafe.xla_flags`); whether the build has it is checked once, in a child process.

@@ -193,12 +193,11 @@ class _Run:
                 # any size made smaller, a Keras step's weights and optimizer slots)
                 over_at_one = self.growth is not None and self.growth.within(self.limit) is None
                 at_run = not figure.known and self.options.checked_at_run and not over_at_one
+                checked = (f"checked by XLA's figure at each shape it runs at"
+                           f"{nominal.growth_note(self.growth, self.limit)}; " if at_run else "")
                 result.skip([], f"{shown}: left alone, within the limit by XLA's figure ({figure.bytes:,} B)"
-                            if figure.known else f"{shown}: left alone{figure.note()}; " + (
-                                f"checked by XLA's figure at each shape it runs at"
-                                f"{nominal.growth_note(self.growth, self.limit)}; " if at_run else "") +
-                            "give the tf.function an input_signature with static shapes to split it",
-                            code=Code.DYNAMIC_SHAPES)
+                            if figure.known else f"{shown}: left alone{figure.note()}; {checked}give the tf.function "
+                            "an input_signature with static shapes to split it", code=Code.DYNAMIC_SHAPES)
                 if not figure.known and not at_run and not analysis.creates_variables(self.graph):
                     # Neither can size it before it runs: the user is told, once a trace that will run.
                     self.pending.append(
