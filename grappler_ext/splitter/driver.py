@@ -12,6 +12,7 @@ builds the loop), :mod:`.measure` (XLA's figures, by the injected measurer) to c
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from grappler_ext import gradients, graph_edit, memory_model
 from grappler_ext.graph_query import live_ops, topological_order
@@ -83,9 +84,40 @@ class _Run:
         self.entry_over: tuple | None = None   # (bytes as written, over the limit; by what; why)
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
+        # The search's budget (Tuning.search_budget): from the run's start, in its longest compile.
+        self.started, self.longest_compile = time.perf_counter(), 0.0
+        self.search_stopped = False                      # spent: no plan again, no growth, no asking before
+        self.budget_held = False                         # a plan built again as it was first: not stopped then
 
     def figure(self) -> Figure:
-        return self.replayed or program_figure(self.checker, self.graph)
+        if self.replayed:
+            return self.replayed
+        start = time.perf_counter()
+        figure = program_figure(self.checker, self.graph)
+        self.longest_compile = max(self.longest_compile, time.perf_counter() - start)
+        return figure
+
+    def searching(self) -> bool:
+        """Whether the run may still search for a better plan than the one built (plan again, grow its
+        gradient loops, ask XLA before a best effort): until it has taken ``Tuning.search_budget`` times
+        the longest compile of the whole program it asked for, and at least ``search_floor_s``.  The
+        first time it may not, its record says so; a plan built again as it was first built
+        (``budget_held``) is not stopped."""
+        if self.budget_held:
+            return True
+        if self.search_stopped:
+            return False
+        t, elapsed = self.tuning, time.perf_counter() - self.started
+        budget = max(t.search_floor_s, t.search_budget * self.longest_compile)
+        if elapsed <= budget:
+            return True
+        self.search_stopped = True
+        self.result.skip([], f"searched for a plan for {elapsed:.0f} s, over its budget of {budget:.0f} s "
+                             f"({t.search_budget:g} x the longest compile of the program asked of XLA, "
+                             f"{self.longest_compile:.1f} s, and at least {t.search_floor_s:g} s): the plan built so "
+                             "far stands, searched no further (no plan again, no gradient loop grown)",
+                         code=Code.SEARCH_STOPPED)
+        return False
 
     # --- the program as a whole ------------------------------------------------------------------
 
@@ -293,7 +325,7 @@ class _Run:
         kept: dict = {}
         try:
             for code in (Code.LARGE_JOINS_ALLOWED, Code.OTHER_SIZES):
-                if not (self.pending or (measured is not None and measured > wanted)):
+                if not (self.pending or (measured is not None and measured > wanted)) or not self.searching():
                     break
                 way = self._another_way(code, tried)
                 if way is None:
@@ -316,18 +348,26 @@ class _Run:
                     continue
                 journal.undo(to=mark)
                 self._set_ways(kept)
-                tried, after, measured = self._planned(est, info, limit)
+                held, self.budget_held = self.budget_held, True      # (as it was built: its figures are known)
+                try:
+                    tried, after, measured = self._planned(est, info, limit)
+                finally:
+                    self.budget_held = held
                 self.pending = first_warnings
         finally:
             self._set_ways({})
         result.records += self.notes.records + tried.records
         if measured is not None and measured > wanted and not self.pending:
+            stopped = self.search_stopped
             result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
-                            "nothing left to split", code=Code.STILL_OVER)
+                            + ("the search for another plan stopped (its time spent)" if stopped
+                               else "nothing left to split"), code=Code.STILL_OVER)
             self.pending.append(
                 f"`{self.graph.name}` needs {_mb(measured)} by XLA's figure as split, over its limit of "
-                f"{_mb(wanted)} (the memory model counts {_mb(after)}); nothing left in it can be split "
-                "usefully. It will run as well as it can; raise memory_limit.")
+                f"{_mb(wanted)} (the memory model counts {_mb(after)}); "
+                + ("the search for a smaller plan stopped once it had taken several times the program's own "
+                   "compile (the first call waits for it)" if stopped else "nothing left in it can be split usefully")
+                + ". It will run as well as it can; raise memory_limit.")
 
     def _another_way(self, code: Code, tried: PassResult) -> tuple[dict, str, float] | None:
         """How :meth:`_split` plans again after ``tried`` failed (``code`` says which way): the run's
@@ -387,7 +427,7 @@ class _Run:
                 after, measured = self._split_large(est, info, limit, tried)
                 break
             best = (measured, limit)
-            if attempt == replans:
+            if attempt == replans or not self.searching():
                 break
             # XLA packs the loops beside the rest of the program less tightly than the model counts:
             # the planning limit scaled by the share XLA's figure is over.
@@ -406,8 +446,8 @@ class _Run:
         grown into the room XLA's figure for it leaves under the limit, if that is within the limit;
         else ``tried`` as it was.  Returns the plan's records, the model's bytes and XLA's figure."""
         starved, wanted = self.starved, self.limit
-        if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records):   # (warned then)
-            return tried, after, measured
+        if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records) or not self.searching():
+            return tried, after, measured             # (best efforts: warned then)
         figure = Figure(measured) if measured is not None else self.figure()
         if not figure.known:
             return tried, after, measured
@@ -556,7 +596,8 @@ class _Run:
         example, in that step.  Each figure is a compile of the whole program: after one over the
         limit, the next is asked only once the model's count, scaled by its ratio to that figure, is
         within the limit, and at most ``Tuning.best_effort_checks`` times a plan."""
-        if not result.rewritten or self.best_effort_asks >= self.tuning.best_effort_checks:
+        if not result.rewritten or self.best_effort_asks >= self.tuning.best_effort_checks or (
+                self.replayed is None and not self.searching()):
             return False
         if self.model_over_xla is not None and (
                 self.model_after is None or self.model_after / self.model_over_xla > self.limit):

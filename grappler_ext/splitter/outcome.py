@@ -47,6 +47,7 @@ class Code(str, enum.Enum):
     BEST_EFFORTS_STOPPED = "best_efforts_stopped"  # ... within: the plan stops, the tensors left whole
     GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left
     NOT_GROWN = "not_grown"                  # ... or not, and why
+    SEARCH_STOPPED = "search_stopped"        # the run's time for planning again spent: the plan so far stands
     # A large tensor not split (the "cannot split" records: :data:`CANNOT_SPLIT`).
     NO_ROOT = "no_root"                      # no op downstream reduces it or has a split rule
     REFUSED_OP = "refused_op"                # the region stops at an op a rule refuses (no rule, stateful, ...)

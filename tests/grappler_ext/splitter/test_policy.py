@@ -197,13 +197,15 @@ class TestTuning:
     @pytest.mark.parametrize("field, value", [("safety_margin", 0), ("pool_margin", 1.5), ("replans", -1),
                                               ("root_depth", 0), ("backward_cost_factor", 0.5),
                                               ("slice_share", "0.1"), ("starved_steps", True),
-                                              ("best_effort_checks", -1), ("best_effort_checks", 1.5)])
+                                              ("best_effort_checks", -1), ("best_effort_checks", 1.5),
+                                              ("search_budget", 0.5), ("search_floor_s", -1.0)])
     def test_values_out_of_range_name_the_field(self, field, value):
         with pytest.raises(ValueError, match=f"Tuning.{field} must be"):
             Tuning(**{field: value})
 
     def test_counts_that_may_be_zero(self):
         assert Tuning(replans=0).replans == 0 and Tuning(best_effort_checks=0).best_effort_checks == 0
+        assert Tuning(search_floor_s=0).search_floor_s == 0 and Tuning(search_budget=40).search_budget == 40
 
 
 def test_a_loop_writing_in_place_takes_a_chunk_that_divides_its_length():

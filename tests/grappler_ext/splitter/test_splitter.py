@@ -16,7 +16,7 @@ from grappler_ext import memory_model
 from grappler_ext.graph_query import ancestors, live_ops
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
-from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, analysis, chunk_plan, mechanism, policy
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, Tuning, analysis, chunk_plan, mechanism, policy
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from tests.fakes import FakeMeasurer, raises
 from tf_memsafe import hook
@@ -649,6 +649,31 @@ class TestProgramsCheckedWithXla:
         figures = iter([2 * LIMIT, 2 * LIMIT])
         with splitter_only(FakeMeasurer(program=lambda graph: next(figures, LIMIT // 2))):
             got = tf.function(two_attentions, jit_compile=True)(*inputs)
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+
+    def test_a_search_past_its_budget_keeps_the_plan_built_and_says_so(self):
+        """Over by XLA's figure as split (faked: twice the limit, at once, so the program's longest
+        compile is a few microseconds and Tuning.search_budget times it is spent before the first
+        replan): the first plan stands, measured once, not planned again; the records and the warning
+        say the search stopped, not that nothing is left to split; the values are the program's."""
+        inputs = [points(n, 64, seed=s) for s, n in enumerate((1300,) * 3 + (1000,) * 3)]
+        expected = tf.function(two_attentions, jit_compile=True)(*inputs)
+        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)
+        hook.clear_reports()
+        tf_memsafe.enable(LIMIT, strict=True)
+        pipeline = hook.use_pipeline(Pipeline([Splitter(twice, tuning=Tuning(search_floor_s=0))]))
+        with pipeline, pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as split, over its limit "
+                                                          r"of 16\.0 MB .*the search for a smaller plan stopped"):
+            got = tf.function(two_attentions, jit_compile=True)(*inputs)
+        tf_memsafe.disable()
+        records = [r for rep in tf_memsafe.reports() for r in rep.records]
+        codes = [r.code for r in records]
+        assert Code.SEARCH_STOPPED in codes and Code.REPLANNED not in codes and Code.GROWN not in codes, codes
+        (stopped,) = [r.reason for r in records if r.code == Code.SEARCH_STOPPED]
+        assert stopped.startswith("searched for a plan for") and "the plan built so far stands" in stopped, stopped
+        (over,) = [r.reason for r in records if r.code == Code.STILL_OVER]
+        assert over.endswith("the search for another plan stopped (its time spent)"), over
+        assert len(twice.calls) == 2, twice.calls        # as written, and the first plan
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
 
     def trace_two(self, measurer=None):
