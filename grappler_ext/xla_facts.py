@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from grappler_ext import op_types
 
-__all__ = ["FUSED_REDUCTION_MAX", "MATVEC_FUSION_MAX_BYTES", "YNN_REDUCTIONS", "YNN_DTYPES", "YNN_DOT_REDUCTIONS"]
+__all__ = ["FUSED_REDUCTION_MAX", "MATVEC_FUSION_MAX_BYTES", "YNN_REDUCTIONS", "YNN_DTYPES", "YNN_DOT_REDUCTIONS",
+           "CANONICAL_CONVOLUTIONS_TOP_LEVEL_ONLY"]
 
 # XLA:CPU keeps a reduction over an innermost axis of at most this many elements fused with its
 # elementwise producers (measured on TF 2.21: D = 32 costs |N x M| bytes, D = 33 costs |N x M x D|).
@@ -36,3 +37,12 @@ YNN_DTYPES = frozenset({tf.float32, tf.bfloat16})
 # without ``transpose_b``; with ``transpose_a``, or in float64, the [2000, 2000] product is
 # materialised.  (Min, bfloat16 and batched products were not measured: counted as materialised.)
 YNN_DOT_REDUCTIONS = frozenset({"Sum", "Mean", "Max"})
+
+# XLA:CPU runs a convolution with Eigen's kernel only where its dimension numbers are canonical
+# (``b01f_01io->b01f``) and canonicalizes (transposes around) only the program's top-level
+# convolutions, not those in a ``while`` loop's body.  TensorFlow's gradients of ``Conv2D`` are not
+# canonical (the filter's: ``f01b_i01o->01bf``; the input's: ``b01f_01oi->b01f``), so in a loop they
+# run in XLA's naive emitter.  Measured, [32, 128, 128, 16] in, 3 x 3 x 16 x 32: the filter's gradient
+# 0.096 s at the top level, 9.39 s in a one-step loop; the input's 0.043 s and 1.16 s; a forward
+# ``Conv2D`` 0.073 s and 0.041 s (:mod:`grappler_ext.loop_convolutions` builds them canonical).
+CANONICAL_CONVOLUTIONS_TOP_LEVEL_ONLY = True

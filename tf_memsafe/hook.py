@@ -266,9 +266,11 @@ def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
         return
     from tf_memsafe.memory import graph_bytes  # memory imports this module (hook.suspended)
 
-    planned = {name: shape for rec in report.records if isinstance(rec.plan, NominalSize)
-               for name, shape in rec.plan.inputs}
-    run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes)
+    nominal = [rec.plan for rec in report.records if isinstance(rec.plan, NominalSize)]
+    planned = {name: shape for plan in nominal for name, shape in plan.inputs}
+    # (a plan over the limit at its nominal sizes judges none: every shape the function runs at is checked)
+    run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes,
+                    planned_within=all(plan.within for plan in nominal))
 
 
 def _check_call(concrete, tensor_inputs):

@@ -78,7 +78,7 @@ class Watch:
     for the graph's program at those argument shapes, :func:`tf_memsafe.memory.graph_bytes`)."""
 
     def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
-                 measure: Callable[[Any, list], int]):
+                 measure: Callable[[Any, list], int], planned_within: bool = True):
         self._measure_bytes = measure
         captured = {internal.name for _, internal in graph.captures}
         arguments = [t for t in graph.inputs if t.name not in captured]
@@ -94,7 +94,8 @@ class Watch:
         self.limit = limit
         self.checks = checks
         self.warned = False
-        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned] if self.planned else []
+        self.planned_within = planned_within         # (a plan over the limit there judges no shape)
+        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned] if self.planned and planned_within else []
         self._lock = threading.Lock()
 
     def covered(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
@@ -131,7 +132,8 @@ class Watch:
         ran = ", ".join(_shape(s) for s in result.shapes)
         if self.planned:
             planned = ", ".join(f"`{n}` {_shape(s)}" for n, s in zip(self.names, self.planned))
-            what = f"was planned with its sizes known only at run time at {planned}, and runs at {ran}"
+            over = "" if self.planned_within else " (over the limit there, not said then)"
+            what = f"was planned with its sizes known only at run time at {planned}{over}, and runs at {ran}"
             fix = "so that it is planned there"
         else:
             inputs = ", ".join(f"`{n}`" for n in self.names)
@@ -146,10 +148,11 @@ class Watch:
 
 
 def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
-          measure: Callable[[Any, list], int]) -> Watch | None:
+          measure: Callable[[Any, list], int], planned_within: bool = True) -> Watch | None:
     """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
-    where they name every input of run-time sizes; ``None`` where it has none."""
-    w = Watch(graph, planned, limit, checks, measure)
+    where they name every input of run-time sizes and the plan was within the limit there
+    (``planned_within``); ``None`` where it has none."""
+    w = Watch(graph, planned, limit, checks, measure, planned_within)
     if not w.positions:
         return None
     setattr(graph, WATCH_ATTR, w)

@@ -321,11 +321,14 @@ class NominalSize:
     limit; ``size`` is smaller where the function's inputs and outputs would take over
     ``Tuning.dynamic_io_share`` of the limit there.  ``inputs``: the shapes the function's inputs with
     run-time dimensions were planned at, by name (the program was judged there: a run at larger
-    sizes is the caller's to check)."""
+    sizes is the caller's to check).  ``within``: whether the plan met the limit there; a plan over it
+    is not judged at any size (the caller checks every size it runs at: ``PassOptions.checked_at_run``,
+    where the plan's warning is not given, its sizes being the splitter's, not the run's)."""
 
     size: int
     grown_to: int
     inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    within: bool = True
 
     @property
     def for_io(self) -> bool:

@@ -71,7 +71,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, op_types, shapes
+from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -421,10 +421,15 @@ def _attr_value(value) -> attr_value_pb2.AttrValue:
 
 
 def _clone(op: tf.Operation, new_inputs: Sequence[tf.Tensor], **overrides) -> list[tf.Tensor]:
-    return graph_edit.clone_op(op, new_inputs, {name: _attr_value(value) for name, value in overrides.items()})
+    return clone_op(op, new_inputs, {name: _attr_value(value) for name, value in overrides.items()})
 
 
-clone_op = graph_edit.clone_op
+def clone_op(op: tf.Operation, new_inputs, attrs: dict | None = None) -> list[tf.Tensor]:
+    """:func:`grappler_ext.graph_edit.clone_op`; a convolution made so in a loop's body gets gradients
+    XLA:CPU runs fast there (:mod:`grappler_ext.loop_convolutions`)."""
+    outputs = graph_edit.clone_op(op, new_inputs, attrs)
+    loop_convolutions.made(outputs[0].op if outputs else None)
+    return outputs
 
 
 def _with_chunk(dims: Sequence[int | None], axis: int, chunk: int) -> list[int]:

@@ -146,7 +146,7 @@ class Tuning:
     whole_at_run: float = 0.75
     best_effort_checks: int = 3
     other_sizes_gain: float = 0.8
-    search_budget: float = 6.0
+    search_budget: float = 4.0
     search_floor_s: float = 60.0
 
     def __post_init__(self):

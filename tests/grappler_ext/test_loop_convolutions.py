@@ -1,0 +1,120 @@
+"""grappler_ext.loop_convolutions: a convolution made in a loop's body gets gradients XLA:CPU runs
+with its fast kernel there (canonical dimension numbers), equal to TensorFlow's; the splitter's
+loops through a CNN's training step hold no other convolution."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+from grappler_ext import loop_convolutions
+from tests.xla_run import run_and_measure
+
+RNG = np.random.default_rng(0)
+
+
+def _gradients(x, w, strides, padding, ours: bool, signature=None):
+    """``d/dx, d/dw`` of ``sum(y sin y)``, ``y = conv2d(x, w)``, compiled by XLA: TensorFlow's, or
+    :data:`loop_convolutions.GRADIENT`."""
+    def grads(x, w):
+        graph = tf.compat.v1.get_default_graph()
+        with graph.gradient_override_map({"Conv2D": loop_convolutions.GRADIENT} if ours else {}):
+            y = tf.nn.conv2d(x, w, strides, padding)
+        return tf.gradients(tf.reduce_sum(y * tf.sin(y)), [x, w])
+
+    return [g.numpy() for g in tf.function(grads, jit_compile=True, input_signature=signature)(x, w)]
+
+
+@pytest.mark.parametrize("size, kernel, strides, padding", [
+    (9, 3, 1, "SAME"), (10, 3, 2, "SAME"), (11, 5, 3, "VALID"), (12, 4, 2, "SAME"), (7, 2, 1, "SAME"),
+    (8, 1, 1, "VALID"), (9, 3, 1, [[0, 0], [1, 2], [0, 1], [0, 0]])])
+@pytest.mark.parametrize("run_time_sizes", [False, True])
+def test_the_gradients_are_tensorflows(size, kernel, strides, padding, run_time_sizes):
+    """Strides that do and do not divide the size, SAME, VALID and explicit padding, even and odd
+    kernels; spatial sizes known or known only when XLA compiles (the loops' slices)."""
+    x = tf.constant(RNG.standard_normal((3, size, size + 2, 4)).astype(np.float32))
+    w = tf.constant(RNG.standard_normal((kernel, kernel, 4, 5)).astype(np.float32))
+    signature = [tf.TensorSpec([None, None, None, None]), tf.TensorSpec(w.shape)] if run_time_sizes else None
+    want = _gradients(x, w, strides, padding, ours=False, signature=signature)
+    got = _gradients(x, w, strides, padding, ours=True, signature=signature)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_only_what_it_covers_is_marked_and_only_in_a_loop_body_of_an_xla_program():
+    """NCHW, dilated and grouped convolutions keep TensorFlow's gradient; a convolution made outside
+    a loop body (XLA canonicalizes those itself), or while the program is not XLA's, is not marked."""
+    seen = {}
+
+    def probe(x, w, wide):
+        def body(i, acc):
+            ops = {
+                "plain": tf.nn.conv2d(x, w, 1, "SAME").op,
+                "dilated": tf.nn.conv2d(x, w, 1, "SAME", dilations=2).op,
+                "grouped": tf.nn.conv2d(x, wide, 1, "SAME").op,         # 2 input channels a group of 4
+            }
+            for name, op in ops.items():
+                loop_convolutions.made(op)
+                seen[name] = op.node_def.attr.get("_gradient_op_type")
+            return i + 1, acc
+        top = tf.nn.conv2d(x, w, 1, "SAME").op
+        loop_convolutions.made(top)
+        seen["top"] = top.node_def.attr.get("_gradient_op_type")
+        return tf.while_loop(lambda i, _: i < 1, body, (0, 0.0))[1]
+
+    specs = (tf.TensorSpec([2, 8, 8, 4]), tf.TensorSpec([3, 3, 4, 5]), tf.TensorSpec([3, 3, 2, 6]))
+    with loop_convolutions.for_xla(True):
+        tf.function(probe).get_concrete_function(*specs)
+    assert seen["plain"].s == loop_convolutions.GRADIENT.encode(), seen
+    assert all(seen[k] is None for k in ("dilated", "grouped", "top")), seen
+    with loop_convolutions.for_xla(False):
+        tf.function(probe).get_concrete_function(*specs)
+    assert seen["plain"] is None
+
+
+def _cnn_step(x, labels, weights):
+    """A small CNN's training step with the tape inside: two convolutions (one strided), pooling, a
+    classifier; the loss and every weight's gradient."""
+    w1, w2, w3 = weights
+    with tf.GradientTape() as tape:
+        h = tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME"))
+        h = tf.nn.relu(tf.nn.conv2d(h, w2, 2, "SAME"))
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+        logits = tf.reshape(h, [tf.shape(h)[0], -1]) @ w3
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+    return (loss, *tape.gradient(loss, weights))
+
+
+def test_a_split_cnn_step_holds_only_canonical_convolutions_and_computes_the_same():
+    """The step over 64 images of 32 x 32 under a limit that splits it along the batch: every
+    convolution in XLA's optimized program (the loop's gradients among them) is canonical, the
+    loss and gradients equal the unsplit step's, and XLA's figure is within the limit."""
+    x = tf.constant(RNG.standard_normal((64, 32, 32, 3)).astype(np.float32))
+    labels = tf.constant(RNG.integers(0, 10, 64))
+    weights = [tf.Variable(RNG.standard_normal(s).astype(np.float32) * 0.1)
+               for s in ((3, 3, 3, 16), (3, 3, 16, 32), (8 * 8 * 32, 10))]
+
+    def step(x, labels):
+        return _cnn_step(x, labels, weights)
+
+    want, naive = run_and_measure(tf.function(step, jit_compile=True), x, labels)
+    limit = naive // 4
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        fn = tf.function(step, jit_compile=True)
+        got, after = run_and_measure(fn, x, labels)
+        hlo = fn.experimental_get_compiler_ir(x, labels)(stage="optimized_hlo")
+        split = any(r.code is not None and r.code.name == "SPLIT"
+                    for rep in tf_memsafe.reports() for r in rep.records)
+    finally:
+        tf_memsafe.disable()
+    assert split and " while(" in hlo
+    labels_seen = set(re.findall(r"dim_labels=(\S+?)[,}]", hlo))
+    assert labels_seen == {"b01f_01io->b01f"}, labels_seen
+    assert after <= limit < naive, (after, limit, naive)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
