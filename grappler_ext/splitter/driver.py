@@ -21,6 +21,7 @@ from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, Pass
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, outcome, search, whole_at_run
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize
+from grappler_ext.splitter.search_budget import SearchBudget
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Splitter"]
@@ -85,40 +86,26 @@ class _Run:
         self.entry_over: tuple | None = None   # (bytes as written, over the limit; by what; why)
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
-        # The search's budget (Tuning.search_budget): from the run's start, in its longest compile.
-        self.started, self.longest_compile = time.perf_counter(), 0.0
-        self.search_stopped = False                      # spent: no plan again, no growth, no asking before
-        self.budget_held = False                         # a plan built again as it was first: not stopped then
+        self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
 
     def figure(self) -> Figure:
         if self.replayed:
             return self.replayed
         start = time.perf_counter()
         figure = program_figure(self.checker, self.graph)
-        self.longest_compile = max(self.longest_compile, time.perf_counter() - start)
+        self.budget.compiled(time.perf_counter() - start)
         return figure
 
     def searching(self) -> bool:
-        """Whether the run may still search for a better plan than the one built (plan again, grow its
-        gradient loops, ask XLA before a best effort): until it has taken ``Tuning.search_budget`` times
-        the longest compile of the whole program it asked for, and at least ``search_floor_s``.  The
-        first time it may not, its record says so; a plan built again as it was first built
-        (``budget_held``) is not stopped."""
-        if self.budget_held:
-            return True
-        if self.search_stopped:
-            return False
-        t, elapsed = self.tuning, time.perf_counter() - self.started
-        budget = max(t.search_floor_s, t.search_budget * self.longest_compile)
-        if elapsed <= budget:
-            return True
-        self.search_stopped = True
-        self.result.skip([], f"searched for a plan for {elapsed:.0f} s, over its budget of {budget:.0f} s "
-                             f"({t.search_budget:g} x the longest compile of the program asked of XLA, "
-                             f"{self.longest_compile:.1f} s, and at least {t.search_floor_s:g} s): the plan built so "
-                             "far stands, searched no further (no plan again, no gradient loop grown)",
-                         code=Code.SEARCH_STOPPED)
-        return False
+        """Whether the run may still search for a better plan (:mod:`.search_budget`)."""
+        return self.budget.allows()
+
+    def _build(self, est, info, limit, replay: list[bool] | None = None):
+        """:meth:`_planned`, with the answers :meth:`searching` gave while it built (``replay``: a plan
+        built before, again, from its answers: its figures are known).  Returns the plan's records, the
+        model's bytes as split, XLA's figure and the answers."""
+        with self.budget.replay(replay) as answers:
+            return (*self._planned(est, info, limit), answers)
 
     # --- the program as a whole ------------------------------------------------------------------
 
@@ -333,7 +320,7 @@ class _Run:
         journal = graph_edit.active_journal()
         result, wanted = self.result, self.limit
         mark = len(journal)
-        tried, after, measured = self._planned(est, info, limit)
+        tried, after, measured, answers = self._build(est, info, limit)
         kept: dict = {}
         try:
             for code in (Code.LARGE_JOINS_ALLOWED, Code.OTHER_SIZES):
@@ -347,7 +334,7 @@ class _Run:
                 first_bytes, _ = self._size(after, measured)
                 journal.undo(to=mark)
                 self._set_ways({**kept, **change})
-                again, again_after, again_measured = self._planned(est, info, limit)
+                again, again_after, again_measured, again_answers = self._build(est, info, limit)
                 again_bytes, figure = self._size(again_after, again_measured)
                 # (smaller; a plan along other sizes by a share, or within the limit the first was over)
                 if again_bytes is not None and (first_bytes is None or again_bytes < first_bytes * gain or (
@@ -357,20 +344,19 @@ class _Run:
                                code=code)
                     kept.update(change)
                     tried, after, measured = again, again_after, figure if again_measured is None else again_measured
+                    answers = again_answers
                     continue
                 journal.undo(to=mark)
                 self._set_ways(kept)
-                held, self.budget_held = self.budget_held, True      # (as it was built: its figures are known)
-                try:
-                    tried, after, measured = self._planned(est, info, limit)
-                finally:
-                    self.budget_held = held
+                tried, after, measured, _ = self._build(est, info, limit, replay=answers)
                 self.pending = first_warnings
+            if measured is not None and measured > wanted and self.growth is None:
+                tried, measured = self._no_larger_than_written(est, info, limit, mark, tried, measured, answers)
         finally:
             self._set_ways({})
         result.records += self.notes.records + tried.records
         if measured is not None and measured > wanted and not self.pending:
-            stopped = self.search_stopped
+            stopped = self.budget.stopped
             result.skip([], f"XLA's figure as split is {measured:,} B, over the limit of {wanted:,} B, with "
                             + ("the search for another plan stopped (its time spent)" if stopped
                                else "nothing left to split"), code=Code.STILL_OVER)
@@ -380,6 +366,33 @@ class _Run:
                 + ("the search for a smaller plan stopped once it had taken several times the program's own "
                    "compile (the first call waits for it)" if stopped else "nothing left in it can be split usefully")
                 + ". It will run as well as it can; raise memory_limit.")
+
+    def _no_larger_than_written(self, est, info, limit, mark, tried, measured, answers):
+        """A plan over the limit by XLA's figure (``measured``) is kept only where it is smaller than the
+        program as written by XLA's figure (measured now, the plan undone, where not known): else the
+        program is left as written, recorded and said (a GAN's step under a quarter of its 179 MB: seven
+        best efforts, each a loop, to 201 MB).  Returns the plan's records and XLA's figure."""
+        journal = graph_edit.active_journal()
+        written = self.entry_over[0] if self.entry_over and self.entry_over[1] == "by XLA's figure" else None
+        undone = written is None
+        if undone:
+            journal.undo(to=mark)
+            written = self.figure().bytes
+        if written is not None and written <= measured:
+            if not undone:
+                journal.undo(to=mark)
+            left = PassResult(self.name)
+            left.skip([], f"XLA's figure as split, {measured:,} B, is no smaller than as written, {written:,} B: "
+                          "left as written", code=Code.NO_SMALLER)
+            self.pending = [f"`{self.graph.name}` needs {_mb(written)} by XLA's figure as written, over its limit "
+                            f"of {_mb(self.limit)}, and the splitter's best plan for it was no smaller "
+                            f"({_mb(measured)}): left as written. It will run as well as it can; raise memory_limit."]
+            return left, written
+        if undone:                       # the plan again, as built (its figures are known)
+            warned = self.pending
+            tried, _, measured, _ = self._build(est, info, limit, replay=answers)
+            self.pending = warned
+        return tried, measured
 
     def _another_way(self, code: Code, tried: PassResult) -> tuple[dict, str, float] | None:
         """How :meth:`_split` plans again after ``tried`` failed (``code`` says which way): the run's

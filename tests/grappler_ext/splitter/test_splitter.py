@@ -82,6 +82,14 @@ def kernel_matvec(x, y, v):
     return k @ v                                                               # [N, P]
 
 
+def as_written_and_split(written: int, split: int) -> FakeMeasurer:
+    """A measurer whose figure is ``split`` for a program with a loop of the splitter's, else ``written``."""
+    def figure(graph):
+        return split if any(op.type in ("While", "StatelessWhile") for op in live_ops(graph)) else written
+
+    return FakeMeasurer(program=figure)
+
+
 def splitter_only(measurer=None):
     return hook.use_pipeline(Pipeline([Splitter(measurer or XlaMeasurer())]))
 
@@ -584,7 +592,7 @@ class TestProgramsCheckedWithXla:
         assert reason.startswith("already within the limit") and f"(memory model; XLA's figure {figure:,} B)" in reason
 
     def test_over_by_xlas_figure_is_split_against_the_scaled_limit(self):
-        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)               # as if XLA needed twice the limit
+        twice = as_written_and_split(2 * LIMIT, LIMIT // 2)            # as if XLA needed twice the limit
         q, k, v = (points(1000, 64, seed=s) for s in range(3))
         expected = tf.function(attention, jit_compile=True)(q, k, v)
         graph, reasons, done = self.trace(twice)
@@ -617,7 +625,7 @@ class TestProgramsCheckedWithXla:
         # Still over by XLA's figure with both split, and no better with smaller chunks: the first
         # plan again, and the user is told.
         with pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as split, over its limit of 16\.0 MB"):
-            checked, reasons = splits(FakeMeasurer(program=lambda graph: 2 * LIMIT))
+            checked, reasons = splits(as_written_and_split(3 * LIMIT, 2 * LIMIT))
         assert checked == 2 and any(r.startswith("with 1 loop the memory model counts") and
                                     f"XLA's figure is {2 * LIMIT:,} B" in r for r in reasons), reasons
         assert f"no better: planned against {LIMIT:,} B again" in " ".join(reasons), reasons
@@ -634,8 +642,9 @@ class TestProgramsCheckedWithXla:
         inputs = [points(n, 64, seed=s) for s, n in enumerate((1300,) * 3 + (1000,) * 3)]
         expected = tf.function(two_attentions, jit_compile=True)(*inputs)
         with pytest.warns(RuntimeWarning):
-            self.trace_two(FakeMeasurer(program=lambda graph: 2 * LIMIT))
+            self.trace_two(as_written_and_split(3 * LIMIT, 2 * LIMIT))
         first = chunks(rewrites())
+        assert len(first) == 2, first
         figures = iter([2 * LIMIT, 2 * LIMIT])
         graph, reasons = self.trace_two(FakeMeasurer(program=lambda graph: next(figures, LIMIT // 2)))
         lower = int(LIMIT * LIMIT / (2 * LIMIT) * DEFAULT_TUNING.replan_margin)
@@ -654,11 +663,11 @@ class TestProgramsCheckedWithXla:
     def test_a_search_past_its_budget_keeps_the_plan_built_and_says_so(self):
         """Over by XLA's figure as split (faked: twice the limit, at once, so the program's longest
         compile is a few microseconds and Tuning.search_budget times it is spent before the first
-        replan): the first plan stands, measured once, not planned again; the records and the warning
+        replan): the first plan stands, not planned again; the records and the warning
         say the search stopped, not that nothing is left to split; the values are the program's."""
         inputs = [points(n, 64, seed=s) for s, n in enumerate((1300,) * 3 + (1000,) * 3)]
         expected = tf.function(two_attentions, jit_compile=True)(*inputs)
-        twice = FakeMeasurer(program=lambda graph: 2 * LIMIT)
+        twice = as_written_and_split(3 * LIMIT, 2 * LIMIT)
         hook.clear_reports()
         tf_memsafe.enable(LIMIT, strict=True)
         pipeline = hook.use_pipeline(Pipeline([Splitter(twice, tuning=Tuning(search_floor_s=0))]))
@@ -673,8 +682,23 @@ class TestProgramsCheckedWithXla:
         assert stopped.startswith("searched for a plan for") and "the plan built so far stands" in stopped, stopped
         (over,) = [r.reason for r in records if r.code == Code.STILL_OVER]
         assert over.endswith("the search for another plan stopped (its time spent)"), over
-        assert len(twice.calls) == 2, twice.calls        # as written, and the first plan
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+
+    def test_a_plan_no_smaller_than_the_program_as_written_is_undone_and_said(self):
+        """Over the limit as split, and no smaller by XLA's figure than as written (faked: 2x the limit
+        both): the program is left exactly as traced, its record and warning say why with both figures;
+        a plan smaller than as written (3x as written) is kept, over the limit, and said so."""
+        plain = format_graph(tf.function(two_attentions, jit_compile=True).get_concrete_function(*TWO_SPECS).graph)
+        with pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as written, over its limit of "
+                                                r"16\.0 MB, and the splitter's best plan for it was no smaller "
+                                                r"\(32\.0 MB\): left as written"):
+            graph, reasons = self.trace_two(as_written_and_split(2 * LIMIT, 2 * LIMIT))
+        assert format_graph(graph) == plain and rewrites() == []
+        assert f"XLA's figure as split, {2 * LIMIT:,} B, is no smaller than as written, {2 * LIMIT:,} B: left as " \
+               "written" in reasons, reasons
+        with pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as split"):
+            graph, reasons = self.trace_two(as_written_and_split(3 * LIMIT, 2 * LIMIT))
+        assert len(rewrites()) == 2 and format_graph(graph) != plain
 
     def trace_two(self, measurer=None):
         hook.clear_reports()
