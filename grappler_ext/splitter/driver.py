@@ -168,8 +168,9 @@ class _Run:
         # Sizes of the splitter's choosing (what grows there is Tuning.dynamic_over x the limit), not the
         # run's: where each shape the function runs at is checked by XLA's figure before it runs, a plan
         # over the limit there is said over only at a shape that is (a CNN's step on batches of 32,
-        # planned at 743, fits).
-        deferred = bool(said) and self.options.checked_at_run
+        # planned at 746, fits), unless the program as written is over the limit at a size of 1 already.
+        over_at_one = peak is not None and whole_at_run.largest_size(peak, at.values, self.limit) == 0
+        deferred = bool(said) and self.options.checked_at_run and not over_at_one
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, {where}; the loops take their lengths from the shapes when the function runs"
                                f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",

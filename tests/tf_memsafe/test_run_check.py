@@ -7,8 +7,12 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext.graph_query import live_ops
+from grappler_ext.pipeline import Pipeline
+from grappler_ext.splitter import Splitter, Tuning
 from grappler_ext.splitter.outcome import NominalSize
-from tf_memsafe import _tf_internals, run_check
+from tests.fakes import FakeMeasurer
+from tf_memsafe import _tf_internals, hook, run_check
 from tf_memsafe.run_check import ShapeCheck
 
 LIMIT = 16 * 10**6
@@ -174,6 +178,40 @@ class TestWhatIsWatched:
             sums(tf.zeros([1_000_000, 3]))
         assert before >= 1 and len(said(caught)) == before
         assert the_report().run_checks == []
+
+    @pytest.mark.parametrize("check_at_run", [True, False], ids=["checked_at_run", "off"])
+    def test_a_plan_over_the_limit_at_its_nominal_sizes_is_said_at_a_shape_that_is(self, check_at_run):
+        """XLA's figure for the plan at its nominal rows over the limit (faked: twice it as split, three
+        times as written), rows the splitter chose: not said when traced where each shape is checked as
+        it runs (recorded; the plan judges no shape): 100 rows are checked, within, nothing said; 10^6
+        rows are said over.  Off, the plan's warning is given when traced."""
+        def figure(graph):
+            split = any(op.type in ("While", "StatelessWhile") for op in live_ops(graph))
+            return 2 * LIMIT if split else 3 * LIMIT
+
+        # (the plan checked by XLA's figure however small the model's count, its loop sized by the model)
+        tf_memsafe.enable(LIMIT, check_at_run=check_at_run, calibrate_chunks=False)
+        checked = Splitter(FakeMeasurer(program=figure), tuning=Tuning(check_from=0.001))
+        sums = kernel_sums()
+        with warnings.catch_warnings(record=True) as caught, hook.use_pipeline(Pipeline([checked])):
+            warnings.simplefilter("always")
+            small = np.random.default_rng(2).random((100, 3), dtype=np.float32)
+            np.testing.assert_allclose(sums(small), expected(small), rtol=1e-5)
+            at_trace = said(caught)
+            report = the_report()
+            (plan,) = [r.plan for r in report.records if isinstance(r.plan, NominalSize)]
+            if not check_at_run:
+                assert len(at_trace) == 1 and "needs 32.0 MB by XLA's figure as split" in at_trace[0], at_trace
+                assert plan.within and report.run_checks == []
+                return
+            assert at_trace == [] and not plan.within, at_trace
+            assert any(r.reason.startswith("not said when traced, checked at each shape it runs at: at ")
+                       and "needs 32.0 MB by XLA's figure as split" in r.reason for r in report.records)
+            ((check,),) = [report.run_checks]
+            assert check.shapes == ((100, 3),) and not check.over
+            sums(tf.zeros([1_000_000, 3]))
+        (message,) = said(caught)
+        assert "(over the limit there, not said then), and runs at [1,000,000, 3]" in message, message
 
     def test_static_shapes_are_not_watched(self):
         tf_memsafe.enable(LIMIT)
