@@ -75,6 +75,7 @@ class _Run:
         self.best_effort_asks = 0                        # XLA's figures asked before best efforts
         self.model_over_xla: float | None = None         # the model's count over XLA's figure when last asked
         self.within_as_split = None                      # the figure (within) that stopped the plan
+        self.warned_figure: int | None = None            # XLA's figure for a plan warned it cannot fit
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
         self.hoped: set = set()                          # tensors expected to be split by their own loops
@@ -351,8 +352,11 @@ class _Run:
                 self._set_ways(kept)
                 tried, after, measured, _ = self._build(est, info, limit, replay=answers)
                 self.pending = first_warnings
-            if measured is not None and measured > wanted and self.growth is None:
-                tried, measured = self._no_larger_than_written(est, info, limit, mark, tried, measured, answers)
+            over = measured if measured is not None else self.warned_figure
+            if over is not None and over > wanted and self.growth is None:
+                tried, over = self._no_larger_than_written(est, info, limit, mark, tried, over, answers)
+                if measured is not None:
+                    measured = over
         finally:
             self._set_ways({})
         result.records += self.notes.records + tried.records
@@ -529,6 +533,7 @@ class _Run:
         not measured within the limit already (``None`` otherwise)."""
         graph, t = self.graph, self.tuning
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
+        self.warned_figure = None
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
         self.model_after, self.split_sizes = None, set()
         live = live_ops(graph)
@@ -662,6 +667,7 @@ class _Run:
         # step at L = 16384: 4.7 GB by the model, 1.9 GB by XLA; at nominal sizes, none: not shown).
         if self._said_within(after, figure := self.figure(), result):
             return
+        self.warned_figure = figure.bytes
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
                 else f"the splitter could only reduce it: {worst.reason}")
         as_written = est.peak_bytes is None and self.entry_over is not None
