@@ -428,8 +428,8 @@ def clone_op(op: tf.Operation, new_inputs, attrs: dict | None = None) -> list[tf
     """:func:`grappler_ext.graph_edit.clone_op`; a convolution made so in a loop's body gets gradients
     XLA:CPU runs fast there (:mod:`grappler_ext.loop_convolutions`)."""
     outputs = graph_edit.clone_op(op, new_inputs, attrs)
-    loop_convolutions.made(outputs[0].op if outputs else None)
-    return outputs
+    canonical = loop_convolutions.made(outputs[0].op if outputs else None)
+    return outputs if canonical is None else canonical
 
 
 def _with_chunk(dims: Sequence[int | None], axis: int, chunk: int) -> list[int]:

@@ -118,3 +118,43 @@ def test_a_split_cnn_step_holds_only_canonical_convolutions_and_computes_the_sam
     assert after <= limit < naive, (after, limit, naive)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("size, kernel, strides, padding", [
+    (7, 5, 2, "SAME"), (7, 3, 1, "SAME"), (8, 4, 2, "VALID"), (9, 3, 3, "SAME")])
+def test_a_transposed_convolution_in_a_loop_is_built_canonical_with_tensorflows_values(size, kernel, strides,
+                                                                                        padding):
+    """``Conv2DTranspose``'s op made in a loop body is built again as a canonical XLA convolution: its
+    value and the gradients of its input and kernel equal TensorFlow's at the top level, and XLA's
+    program holds no other convolution."""
+    x = tf.constant(RNG.standard_normal((2, size, size + 1, 6)).astype(np.float32))
+    w = tf.constant(RNG.standard_normal((kernel, kernel, 3, 6)).astype(np.float32))     # 6 -> 3 channels
+    out_h = size * strides if padding == "SAME" else (size - 1) * strides + kernel
+    out_w = (size + 1) * strides if padding == "SAME" else size * strides + kernel
+    shape = [2, out_h, out_w, 3]
+
+    def loss(x, w, in_loop):
+        y = tf.nn.conv2d_transpose(x, w, shape, strides, padding)
+        if in_loop:
+            (y,) = loop_convolutions.made(y.op)
+        return y, tf.reduce_sum(y * tf.sin(y))
+
+    @tf.function(jit_compile=True)
+    def top(x, w):
+        y, value = loss(x, w, False)
+        return (y, *tf.gradients(value, [x, w]))
+
+    @tf.function(jit_compile=True)
+    def looped(x, w):
+        def body(i, y, gx, gw):
+            y, value = loss(x, w, True)
+            return (i + 1, y, *tf.gradients(value, [x, w]))
+        start = (0, tf.zeros(shape), tf.zeros_like(x), tf.zeros_like(w))
+        with loop_convolutions.for_xla(True):
+            return tf.while_loop(lambda i, *_: i < 1, body, start)[1:]
+
+    want, got = top(x, w), looped(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max())
+    hlo = looped.experimental_get_compiler_ir(x, w)(stage="optimized_hlo")
+    assert set(re.findall(r"dim_labels=(\S+?)[,}]", hlo)) == {"b01f_01io->b01f"}
