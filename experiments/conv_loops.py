@@ -143,12 +143,11 @@ def main(argv=None) -> int:
     for keras_name in args.keras:
         for model_name in args.models:
             rows += measure(keras_name, model_name, args.ratio, args.quick)
-            for row in rows[-len(VARIANTS):]:
-                print(row, flush=True)
-    meta = {"quick": args.quick, "ratio": args.ratio, "batch": BATCH, "batches": BATCHES, **machine_meta(),
-            "how": "run alone on the machine; each model's variants in turn in one process; medians of the "
-                   "second epoch's batches"}
-    write_outputs(rows, Row, os.path.join(results_dir(args.out, args.quick), "conv_loops"), meta)
+            print("\n".join(map(str, rows[-len(VARIANTS):])), flush=True)
+    how = "run alone; each model's variants in turn in one process; medians of the second epoch's batches"
+    write_outputs(rows, Row, os.path.join(results_dir(args.out, args.quick), "conv_loops"),
+                  {"quick": args.quick, "ratio": args.ratio, "batch": BATCH, "batches": BATCHES, "how": how,
+                   **machine_meta()})
     return 0
 
 
