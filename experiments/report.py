@@ -439,6 +439,23 @@ def random_key_lines(data: dict) -> list[str]:
             *md_table(["case", "shape", "variant", "first call", "median", "/ naive", "rewrites", "rel. diff"], body)]
 
 
+def conv_loops_lines(data: dict) -> list[str]:
+    from experiments import conv_loops
+
+    rows = [conv_loops.Row(**r) for r in data["rows"]]
+    body = [[r.keras, r.model, r.variant, m.fmt_bytes(r.limit_bytes) if r.limit_bytes else "-",
+             m.fmt_bytes(r.xla_bytes) + (" (over)" if r.limit_bytes and r.xla_bytes > r.limit_bytes else ""),
+             seconds(r.first_epoch_s), f"{r.median_step_s * 1e3:.0f} ms",
+             m.num(r.step_over_naive, ".2f"), m.num(r.max_rel_diff, ".1e")] for r in rows]
+    return [f"Batches of {data.get('batch')}, {data.get('batches')} an epoch, two epochs; the limit is the naive "
+            f"step's figure / {data.get('ratio')}. XLA's largest figure among the programs `fit` compiled, the first "
+            "epoch (traces, rewrite, compiles), the second epoch's median batch and its time over naive's, the losses' "
+            "largest relative difference from naive's. `tf_naive_grads`: tf_memsafe with TensorFlow's gradients of "
+            "the convolutions in the loops (as before `grappler_ext.loop_convolutions`).", "",
+            *md_table(["Keras", "model", "variant", "limit", "XLA", "first epoch", "step", "/ naive", "rel. diff"],
+                      body)]
+
+
 def training_cell(row) -> str:
     """An SGPR row's training: iterations, "converged" when scipy's tests stopped L-BFGS, and the wall time."""
     if row.nit is None:
@@ -520,6 +537,11 @@ EXPERIMENTS = (
                "Stateless random draws under XLA with their default `auto_select` algorithm (and Keras 3's `Dropout`, "
                "which draws that way): XLA derives the key inside every drawn element; tf_memsafe's `random_key` "
                "makes it once, bit for bit the same.", random_key_lines),
+    Experiment("conv_loops", "Convolutions in loops", "experiments.conv_loops", "conv_loops",
+               "Keras convolutional models (the image-classification tutorial's CNN, a convolutional autoencoder "
+               "with `Conv2DTranspose`) trained with `fit` split along their batch under a quarter of their "
+               "footprint: the convolutions' gradients in the loops built canonical, against TensorFlow's (XLA:CPU "
+               "canonicalizes only top-level convolutions).", conv_loops_lines),
     Experiment("transformer", "Transformer", "experiments.transformer.sweep", "transformer_sweep",
                "The Transformer of TensorFlow's translation tutorial, unchanged, over sequence lengths L: XLA's "
                "footprint of its forward pass and of an Adam training step without and with tf_memsafe under a "
