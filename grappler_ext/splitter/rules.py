@@ -898,14 +898,17 @@ def _max_pool_grad(op, output_index, axis):
 # conv_backprop_filter(x, S, dy)[.., s:s+c] = conv_backprop_filter(x, S with c last, dy[.., s:s+c]) (output
 # channels; the batch is summed over: refused); avg_pool_grad(S, dy)[s:s+c] = avg_pool_grad(S with c, dy[s:s+c]).
 def _with_sized(op: tf.Operation, sizes_index: int, axis: int, input_axes: tuple) -> Propagation | Refusal:
+    # (the shape operand is the output's shape: where it is computed, a batch known only at run time
+    # (Keras' Conv2DTranspose on tf.data batches), its sizes are read as _sizes reads them)
     sizes = _const(op.inputs[sizes_index])
-    if sizes is None:
+    if sizes is None and op.outputs[0].shape.rank is None:
         return _not_constant(op, "the shape operand")
-    dims = [int(d) for d in np.asarray(sizes).reshape(-1)]
+    dims = _dims(op.outputs[0]) if sizes is None else [int(d) for d in np.asarray(sizes).reshape(-1)]
 
     def rebuild(op, inputs, chunk):
         inputs = list(inputs)
-        inputs[sizes_index] = _sizes(dims, axis, chunk, op.inputs[sizes_index].dtype)
+        inputs[sizes_index] = _sizes(dims, axis, chunk, op.inputs[sizes_index].dtype,
+                                     _operand(inputs, sizes_index), op.outputs[0])
         return clone_op(op, inputs)
 
     return Propagation(input_axes, (axis,), rebuild)

@@ -158,3 +158,38 @@ def test_a_transposed_convolution_in_a_loop_is_built_canonical_with_tensorflows_
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b.numpy()).max())
     hlo = looped.experimental_get_compiler_ir(x, w)(stage="optimized_hlo")
     assert set(re.findall(r"dim_labels=(\S+?)[,}]", hlo)) == {"b01f_01io->b01f"}
+
+
+def test_a_transposed_convolution_of_a_run_time_batch_is_split_along_it():
+    """A decoder's step on batches of run-time size (Keras' ``Conv2DTranspose`` on ``tf.data`` batches: its
+    output's shape computed from ``tf.shape``): the transposed convolution is split along the batch (its
+    shape operand rebuilt with the slice's rows), within the limit, loss and gradients equal."""
+    weights = [tf.Variable(RNG.standard_normal(s).astype(np.float32) * 0.1)
+               for s in ((3, 3, 16, 8), (3, 3, 4, 16), (3, 3, 4, 1))]
+
+    @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, 16, 16, 8])])
+    def step(z):
+        w1, w2, w3 = weights
+        with tf.GradientTape() as tape:
+            b = tf.shape(z)[0]
+            h = tf.nn.relu(tf.nn.conv2d_transpose(z, w1, tf.stack([b, 32, 32, 16]), 2, "SAME"))
+            h = tf.nn.relu(tf.nn.conv2d_transpose(h, w2, tf.stack([b, 64, 64, 4]), 2, "SAME"))
+            loss = tf.reduce_mean(tf.square(tf.nn.conv2d(h, w3, 1, "SAME")))
+        return (loss, *tape.gradient(loss, weights))
+
+    z = tf.constant(RNG.standard_normal((24, 16, 16, 8)).astype(np.float32))
+    want = step(z)
+    naive = tf_memsafe.memory_footprint(step, z, rewrite=False)
+    tf_memsafe.enable(naive // 4, strict=True)
+    try:
+        fn = tf.function(step.python_function, jit_compile=True, input_signature=[tf.TensorSpec([None, 16, 16, 8])])
+        got = fn(z)
+        after = tf_memsafe.memory_footprint(fn, z)
+        records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
+    finally:
+        tf_memsafe.disable()
+    assert any(r.code is not None and r.code.name == "SPLIT" for r in records), [r.reason for r in records]
+    assert not any("conv_transpose" in r.reason and "not a constant" in r.reason for r in records)
+    assert after <= naive // 4, (after, naive)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * np.abs(b.numpy()).max())
