@@ -353,7 +353,7 @@ class _Run:
                 tried, after, measured, _ = self._build(est, info, limit, replay=answers)
                 self.pending = first_warnings
             over = measured if measured is not None else self.warned_figure
-            if over is not None and over > wanted and self.growth is None:
+            if over is not None and over > wanted and self.growth is None and tried.changed:
                 tried, over = self._no_larger_than_written(est, info, limit, mark, tried, over, answers)
                 if measured is not None:
                     measured = over
