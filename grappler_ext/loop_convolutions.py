@@ -36,6 +36,8 @@ from tensorflow.compiler.xla import xla_data_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import nn_grad
 
+from grappler_ext import folding
+
 __all__ = ["GRADIENT", "covered", "mark", "in_loop_body", "made", "for_xla"]
 
 GRADIENT = "TfMemsafeCanonicalConv2D"
@@ -67,6 +69,7 @@ def made(op) -> list[tf.Tensor] | None:
         return None
     return transposed(op)
 
+
 # b01f input, 01io kernel, b01f output: the layout XLA:CPU's Eigen convolution takes.
 _CANONICAL = xla_data_pb2.ConvolutionDimensionNumbers(
     input_batch_dimension=0, input_feature_dimension=3, input_spatial_dimensions=[1, 2],
@@ -90,7 +93,7 @@ def _spatial(sizes: tf.Tensor | None, x: tf.Tensor | None):
     for axis in (1, 2):
         static = x.shape[axis] if x is not None and x.shape.rank == 4 else None
         if static is None and sizes is not None:
-            value = tf.get_static_value(sizes)
+            value = folding.static_value(sizes)
             static = None if value is None else int(value[axis])
         out.append(static if static is not None else (sizes[axis] if sizes is not None else tf.shape(x)[axis]))
     return out

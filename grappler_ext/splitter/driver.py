@@ -85,6 +85,7 @@ class _Run:
         self.notes = PassResult(self.name)               # records of the run, beside the plan's
         self.pending: list[str] = []                     # the plan's warnings, given when the run ends
         self.entry_over: tuple | None = None   # (bytes as written, over the limit; by what; why)
+        self.written_figure: int | None = None           # XLA's figure for the program as written, where asked
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
         self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
@@ -164,6 +165,7 @@ class _Run:
                 journal.undo(to=mark)
             self.result, self.notes, self.pending, self.entry_over = (PassResult(self.name), PassResult(self.name),
                                                                       [], None)
+            self.written_figure = None
             return None
         said = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in dict.fromkeys(self.pending)]
         # Sizes of the splitter's choosing (what grows there is Tuning.dynamic_over x the limit), not the
@@ -249,6 +251,7 @@ class _Run:
                         code=Code.DYNAMIC_SHAPES)
             self.entry_over = ((figure.bytes, "by XLA's figure") if figure.known else (
                 at_least, "at least, by the memory model's count of its static tensors")) + (f"it has {shown}",)
+            self.written_figure = figure.bytes
         elif est.peak_bytes is not None and est.peak_bytes <= limit * t.model_trust:
             figure = self.figure() if est.peak_bytes >= t.check_from * limit else Figure()
             if not figure.over(limit):
@@ -262,6 +265,7 @@ class _Run:
                             f"the program as written is {figure.bytes:,} B: planned against {planning:,} B "
                             f"(the limit x {est.peak_bytes / figure.bytes:.2f})", code=Code.PLANNED_LOWER)
             self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model counts {_mb(est.peak_bytes)}")
+            self.written_figure = figure.bytes
             limit = planning
         if est.peak_bytes is None and not est.dynamic_tensors:
             # No estimate (an op without a byte rule): split only what is over the limit on its own
@@ -283,6 +287,7 @@ class _Run:
                                 "are split", code=Code.OVER_BY_XLA)
                 self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model has no rule for it "
                                    f"({est.reason})")
+                self.written_figure = figure.bytes
         # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
         with graph_edit.some_journal():
             # A weight's update as values (a region may compute it slice by slice): kept if a loop is built.
@@ -378,7 +383,7 @@ class _Run:
         program is left as written, recorded and said (a GAN's step under a quarter of its 179 MB: seven
         best efforts, each a loop, to 201 MB).  Returns the plan's records and XLA's figure."""
         journal = graph_edit.active_journal()
-        written = self.entry_over[0] if self.entry_over and self.entry_over[1] == "by XLA's figure" else None
+        written = self.written_figure
         undone = written is None
         if undone:
             journal.undo(to=mark)
