@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from grappler_ext import graph_query, shapes
-from tf_memsafe import _tf_internals, hook, xla_flags
+from tf_memsafe import _tf_internals, hook, keyed_draws, xla_flags
 from tf_memsafe.errors import TfMemsafeError
 
 __all__ = ["memory_footprint", "compiled_bytes", "graph_bytes", "tape_footprint", "TapeFootprint", "peak_memory",
@@ -145,6 +145,18 @@ def _read_total_bytes(folder: str, function_name=None) -> int:
     return sum(totals)
 
 
+def _keyed_figure(graph) -> int | None:
+    """XLA's figure for ``graph`` (traced at static shapes) compiled as a copy whose stateful draws are
+    stateless (:mod:`tf_memsafe.keyed_draws`), where it has such draws and such a copy can be built;
+    else ``None``, and the program is compiled as it is."""
+    if not keyed_draws.draws_from_xla_generator(graph.as_graph_def()):
+        return None
+    try:
+        return graph_bytes(graph)
+    except MeasurementError:      # (an input of a handle type: a variable passed as an argument)
+        return None
+
+
 def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     """Bytes XLA's buffer assignment gives the compiled program of ``fn`` on these arguments.
 
@@ -157,7 +169,9 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
 
     The function is compiled, not run.  It is traced afresh each call (the user's own trace cache
     is not touched) and can be called any number of times, for different functions, anywhere in a
-    program.  A program XLA splits into several modules reports their sum.
+    program.  A program XLA splits into several modules reports their sum.  A program with stateful
+    random draws is compiled as a copy that takes nothing from XLA's generator, so that measuring it
+    does not change what the programs compiled after it draw (:mod:`tf_memsafe.keyed_draws`).
     """
     copy = _fresh_function(fn)
     _require_concrete_specs(fn, args, kwargs)
@@ -175,9 +189,15 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
         outer = tf.function(lambda *a, **k: copy(*a, **k), jit_compile=True, autograph=False)
         with hook.suspended():
             called = outer.get_concrete_function(*args, **kwargs)
+            figure = _keyed_figure(called.graph)
+            if figure is not None:
+                return figure
             with _measuring() as folder:
                 outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
                 return _read_total_bytes(folder, called.name)
+    figure = _keyed_figure(concrete.graph)
+    if figure is not None:
+        return figure
     with suspend():
         with _measuring() as folder:
             copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
@@ -232,12 +252,16 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
     A program traced alike before (:func:`program_fingerprint`: the same loop of another layer, or
     planned again) is not compiled again: its figure is remembered (the last ``_FIGURES_KEPT``).
     Raises ``MeasurementError``, without asking XLA, when ``fn`` captures a variable that is not
-    initialized yet.
+    initialized yet.  A program with stateful random draws is measured as a copy keyed by constants
+    (:func:`graph_bytes`, :mod:`tf_memsafe.keyed_draws`).
     """
     with hook.suspended():
         concrete = fn.get_concrete_function(*specs)
         _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
-        key = program_fingerprint(concrete.graph.as_graph_def()) + repr(
+        definition = concrete.graph.as_graph_def()
+        if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
+            return graph_bytes(concrete.graph, [spec.shape for spec in specs])
+        key = program_fingerprint(definition) + repr(
             [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
         if key in _FIGURES:
             _FIGURES.move_to_end(key)
@@ -283,7 +307,9 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
     become the copy's arguments (static shapes needed), its captured tensors (variables' handles,
     constants) are captured again, its outputs are returned, and its stateful ops (variable updates)
     are kept by the copy's automatic control dependencies, so the copy is the program XLA will
-    compile for the original.  The splitter checks with it what its memory model cannot see (how
+    compile for the original, its stateful random draws aside: the copy draws the same shapes with
+    stateless ops keyed by constants, so that compiling it takes nothing from XLA's generator
+    (:mod:`tf_memsafe.keyed_draws`).  The splitter checks with it what its memory model cannot see (how
     XLA's scheduler interleaves independent branches).  Raises ``MeasurementError``, without asking
     XLA, when the graph has no outputs, an input without a static shape, or captures a variable not
     initialized yet (one created in this very trace, such as a Keras optimizer's slots at its first
@@ -306,7 +332,7 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
     else:
         specs = [shapes.concrete_spec(t) for t in arguments]
     _require_initialized_variables(captured.values(), f"`{graph.name}`")
-    definition = live_definition(graph)
+    definition = keyed_draws.keyed(live_definition(graph))     # compiled, it draws from no generator of XLA's
     replaced = {t.op.name for t in graph.inputs}
     kept = [n for n in definition.node if n.name not in replaced]             # the inputs are mapped
     del definition.node[:]
