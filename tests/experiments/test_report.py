@@ -183,9 +183,11 @@ def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, mon
     assert report.main(["--only", "sgpr", "--out", str(tmp_path)]) == 0
     assert "| [SGPR](#sgpr) | none | - | - | module missing |" in (tmp_path / "SUMMARY.md").read_text()
 
-    # Every experiment not skipped runs at full size: only the patched ones (and sgpr, missing) are left.
-    assert report.main(["--skip", "bench_rewrites", "transformer", "compile_time", "dynamic", "gpr", "wide_layer",
-                        "padded", "distributed", "encoder_layer", "random_key", "--out", str(tmp_path)]) == 1
+    # Every experiment not skipped runs at full size: only the patched ones (and sgpr, missing) are left,
+    # whatever experiments are added (conv_loops, left out of a list here, once ran whole: 215 s).
+    patched = {"knn", "kernel_matvec", "overhead", "sgpr"}
+    assert report.main(["--skip", *[e.name for e in report.EXPERIMENTS if e.name not in patched],
+                        "--out", str(tmp_path)]) == 1
     assert not tf_memsafe.is_enabled()
     text = (tmp_path / "SUMMARY.md").read_text()
     assert "**This run failed**: experiments.knn failed: RuntimeError: its last line" in text
