@@ -446,14 +446,17 @@ def conv_loops_lines(data: dict) -> list[str]:
     body = [[r.keras, r.model, r.variant, m.fmt_bytes(r.limit_bytes) if r.limit_bytes else "-",
              m.fmt_bytes(r.xla_bytes) + (" (over)" if r.limit_bytes and r.xla_bytes > r.limit_bytes else ""),
              seconds(r.first_epoch_s), f"{r.median_step_s * 1e3:.0f} ms",
-             m.num(r.step_over_naive, ".2f"), m.num(r.max_rel_diff, ".1e")] for r in rows]
+             m.num(r.step_over_naive, ".2f"), m.num(r.max_rel_diff, ".1e"), r.chunks or "-"] for r in rows]
     return [f"Batches of {data.get('batch')}, {data.get('batches')} an epoch, two epochs; the limit is the naive "
             f"step's figure / {data.get('ratio')}. XLA's largest figure among the programs `fit` compiled, the first "
             "epoch (traces, rewrite, compiles), the second epoch's median batch and its time over naive's, the losses' "
             "largest relative difference from naive's. `tf_naive_grads`: tf_memsafe with TensorFlow's gradients of "
-            "the convolutions in the loops (as before `grappler_ext.loop_convolutions`).", "",
-            *md_table(["Keras", "model", "variant", "limit", "XLA", "first epoch", "step", "/ naive", "rel. diff"],
-                      body)]
+            "the convolutions in the loops (as before `grappler_ext.loop_convolutions`); `tf_ungrown`: tf_memsafe "
+            "with a loop that computes its gradients as it goes kept at the memory model's chunk (before such loops "
+            "were grown into the room XLA's figure leaves). Chunks: the loops' (the nominal plan's, for `fit`'s "
+            "run-time batch).", "",
+            *md_table(["Keras", "model", "variant", "limit", "XLA", "first epoch", "step", "/ naive", "rel. diff",
+                       "chunks"], body)]
 
 
 def training_cell(row) -> str:

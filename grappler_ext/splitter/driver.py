@@ -513,6 +513,13 @@ class _Run:
         finally:
             self.grow_room = {}
         grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
+        if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
+            # (the loops' own figures said no larger chunk fits the room: the same plan)
+            grown.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
+                           f"figures for them alone at larger chunks leave none within the {room:,} B under the "
+                           "limit less its margin", code=Code.NOT_GROWN,
+                       plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+            return grown, grown_after, grown_figure.bytes if grown_figure.known else figure.bytes
         if grown_figure.known and grown_figure.bytes <= wanted:
             grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
                            f"for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "

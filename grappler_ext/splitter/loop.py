@@ -641,14 +641,15 @@ def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec], free: Se
     return floating[0]
 
 
-def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec]):
+def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
+                  free: Sequence[bool] = ()):
     """``(external, fused)``: as :func:`forward_program`, for the loop that computes its gradients as
-    it goes (:func:`fusable`); ``fused(*values)`` returns the outputs, then the inputs' gradients
-    (so that a compile of it alone keeps them)."""
+    it goes (:func:`fusable`, ``free`` as there: a Keras accuracy beside its loss); ``fused(*values)``
+    returns the outputs, then the inputs' gradients (so that a compile of it alone keeps them)."""
     external = external_inputs(region)
     build = _slice_builder(region, external)
     floating, axes, read_whole = _roles(region, external)
-    target = fusable(combiner, partial_specs)
+    target = fusable(combiner, partial_specs, free)
     if target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")
 

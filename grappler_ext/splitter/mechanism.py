@@ -340,7 +340,9 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     the loop that computes its gradients as it goes, with them."""
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
-    external, forward = (fused_program if fused else forward_program)(region, plan.chunk, combiner, specs)
+    external, forward = (fused_program(region, plan.chunk, combiner, specs,
+                                       _per_partial(gradient_free(options), combiner, specs)) if fused
+                         else forward_program(region, plan.chunk, combiner, specs))
     # Dimensions known only at run time are compiled at the nominal size the plan is made at.
     if region.scaled or any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
         raise ValueError("an input without a static shape or of a handle type, or slices of run-time sizes")

@@ -11,12 +11,17 @@ import dataclasses
 import enum
 
 __all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "NestedKeys",
-           "Growth", "CannotFit", "megabytes", "loops"]
+           "Growth", "CannotFit", "megabytes", "loops", "loop_chunks"]
 
 
 def loops(n: int) -> str:
     """"1 loop", "3 loops"."""
     return f"{n} loop{'s' if n > 1 else ''}"
+
+
+def loop_chunks(result) -> list[tuple[int, int]]:
+    """The chunks (forward, backward) of the loops a plan's records (a ``PassResult``) built, in order."""
+    return [(r.plan.chunk, r.plan.backward_chunk) for r in result.records if isinstance(r.plan, LoopPlan)]
 
 
 def megabytes(n: int | None) -> str:

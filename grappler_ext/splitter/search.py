@@ -178,7 +178,8 @@ class RegionSearch:
             run.loop_bytes[op.name] = mine if owner is None else run.backward_bytes.get(id(owner), mine)
         gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
             fused is not None and backward_chunk < fused)
-        if gradient_loop and not room[0] and policy.starved(chunks, backward_chunk, self.tuning, fused):
+        if (gradient_loop or fused is not None) and not room[0] and policy.starved(chunks, backward_chunk,
+                                                                                  self.tuning, fused):
             run.starved[tensor.name] = backward_chunk
         if sized.sizing == Sizing.PROGRAM_FIGURE:
             run.program_sized += 1

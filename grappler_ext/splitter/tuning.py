@@ -60,10 +60,11 @@ class Tuning:
       starved_steps: a gradient loop of at least this many steps, its chunk under
         1 / ``backward_cost_factor`` of its forward's, is starved (SGPR at M = 2000, N = 1e6: 8 rows a
         step, 125,000 steps); XLA's figure for the program as split says how much room there is.
-      fused_starved_steps: a loop computing its gradients as it goes (``LoopPlan.fused``) in chunks the
-        model's backward plan gave, smaller than its forward's, is starved from this many steps (an
-        attention's training step at L = 4000 under 1/10 of its footprint: 200 steps of 20 rows took 1.5x
-        the step as written, 24 of 169 rows 1.0x).
+      fused_starved_steps: a loop computing its gradients as it goes (``LoopPlan.fused``) is starved
+        from this many steps, whatever gave it its chunk: the model's backward plan, smaller than its
+        forward's (an attention's training step at L = 4000 under 1/10 of its footprint: 200 steps of 20
+        rows took 1.5x the step as written, 24 of 169 rows 1.0x), or the share of the budget a slice may
+        take (a Keras CNN's ``fit`` along its batch under 1/4 of its footprint: chunks of one example).
       best_effort_fraction: when even the bytes that must stay exceed the limit, a region is still
         cut until its slice is this share of them (beyond that, smaller slices only cost steps).
       root_depth: how many ops downstream of a large tensor roots are looked for ...

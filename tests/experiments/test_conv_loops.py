@@ -15,6 +15,7 @@ def test_quick_run_splits_within_the_limit_and_keeps_the_losses(tmp_path):
     with open(tmp_path / "conv_loops.json", encoding="utf-8") as f:
         rows = {r["variant"]: r for r in json.load(f)["rows"]}
     assert set(rows) == set(conv_loops.VARIANTS)
-    for variant in ("tf_memsafe", "tf_naive_grads"):
+    for variant in ("tf_memsafe", "tf_naive_grads", "tf_ungrown"):
         assert rows[variant]["xla_bytes"] <= rows[variant]["limit_bytes"] < rows["naive"]["xla_bytes"]
         assert rows[variant]["max_rel_diff"] < 1e-5
+        assert rows[variant]["chunks"]                                   # split: its loops' chunks

@@ -185,6 +185,60 @@ def test_capped_split_anyway_at_least_and_starved():
     assert policy.starved(forward, 100, DEFAULT_TUNING)                        # 1000 steps of a twentieth
     assert not policy.starved(forward, 1000, DEFAULT_TUNING)                   # half the forward's chunk
     assert not policy.starved(forward, 100, Tuning(starved_steps=2000))
+    # A loop computing its gradients as it goes: many steps starve it, whatever gave it its chunk
+    # (the backward's plan, or the share of the budget a slice may take: its forward's chunk too).
+    batch = ChunkPlan(93, 1, 0)
+    assert policy.starved(batch, 1, DEFAULT_TUNING, fused=1)
+    assert policy.starved(batch, 1, DEFAULT_TUNING, fused=4)
+    assert not policy.starved(ChunkPlan(93, 3, 0), 3, DEFAULT_TUNING, fused=3)             # 31 steps
+
+
+class TestFusedGrown:
+    # XLA's figures for a Keras CNN's training step along its batch (planned at 93), alone, by chunk.
+    CNN = {1: 66_678_590, 2: 96_104_350, 3: 93_286_238, 4: 120_483_742, 8: 168_456_094}
+    # ... and for Keras' MNIST convnet's (batch 128): not straight in the chunk (7 and 10 made up between).
+    CONVNET = {4: 4_787_686, 5: 7_747_784, 6: 8_035_272, 7: 8_300_000, 8: 8_534_758, 10: 14_000_000,
+               12: 16_772_808, 16: 15_509_734}
+
+    @staticmethod
+    def asking(figures, asked):
+        def figure(chunk):
+            asked.append(chunk)
+            return figures[chunk]
+        return figure
+
+    def test_a_chunk_of_one_is_grown_by_the_rows_beyond_it(self):
+        """A slice of one row is laid out its own way (29 MB "a row" from 1 to 2, 12 MB from 2 to 4):
+        the bytes a row are read from 2 and 4, and the room of 41 MB takes two rows more, checked
+        against the loop at its own chunk."""
+        asked = []
+        assert policy.fused_grown((41_315_235, 1), 93, 1, DEFAULT_TUNING, self.asking(self.CNN, asked)) == 3
+        assert asked == [1, 2, 4, 3]
+
+    def test_a_chunk_the_loop_alone_does_not_fit_is_halved_towards_its_own(self):
+        """From 4 and 8 rows, 0.94 MB a row: 6.4 MB of room make 10 rows, 9.2 MB more than 4 alone;
+        7 rows, 3.5 MB more, are kept."""
+        asked = []
+        grown = policy.fused_grown((9_086_343, 4), 128, 1, DEFAULT_TUNING, self.asking(self.CONVNET, asked))
+        assert grown == 7 and asked == [4, 8, 10, 7]
+
+    def test_a_straight_figure_is_grown_at_once(self):
+        asked = []
+        assert policy.fused_grown((10**7, 4), 1000, 1, DEFAULT_TUNING,
+                                  self.asking({c: 10**7 + 10**6 * c for c in range(1, 20)}, asked)) == 4 + 7
+        assert asked == [4, 8, 11]                                         # 0.7 of 10 rows
+
+    def test_no_room_to_grow_or_no_figure_keeps_the_plan(self):
+        assert policy.fused_grown((10**7, 2), 5, 1, DEFAULT_TUNING, lambda c: 10**6 * c) is None   # 2 of 5 rows
+
+        def fails(chunk):
+            raise ValueError("no figure")
+
+        assert policy.fused_grown((10**7, 1), 93, 1, DEFAULT_TUNING, fails) is None
+        assert policy.fused_grown((10**7, 1), 93, 1, DEFAULT_TUNING, lambda c: 10**6) is None     # does not grow
+        # Nothing larger fits in three tries: each halving still over the room.
+        assert policy.fused_grown((10**6, 4), 128, 1, DEFAULT_TUNING,
+                                  lambda c: 10**5 * c if c in (4, 8) else 10**8) is None
 
 
 class TestTuning:
