@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
-from grappler_ext.splitter.outcome import NominalSize
+from grappler_ext.splitter.outcome import Code, NominalSize
 from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check
 from tf_memsafe.errors import RewriteError
 
@@ -270,7 +270,8 @@ def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
     planned = {name: shape for plan in nominal for name, shape in plan.inputs}
     # (a plan over the limit at its nominal sizes judges none: every shape the function runs at is checked)
     run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes,
-                    planned_within=all(plan.within for plan in nominal))
+                    planned_within=all(plan.within for plan in nominal),
+                    no_smaller_plan=any(rec.code == Code.NO_SMALLER for rec in report.records))
 
 
 def _check_call(concrete, tensor_inputs):

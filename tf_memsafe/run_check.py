@@ -78,8 +78,9 @@ class Watch:
     for the graph's program at those argument shapes, :func:`tf_memsafe.memory.graph_bytes`)."""
 
     def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
-                 measure: Callable[[Any, list], int], planned_within: bool = True):
+                 measure: Callable[[Any, list], int], planned_within: bool = True, no_smaller_plan: bool = False):
         self._measure_bytes = measure
+        self.no_smaller_plan = no_smaller_plan       # the splitter's plan, no smaller than as written, undone
         captured = {internal.name for _, internal in graph.captures}
         arguments = [t for t in graph.inputs if t.name not in captured]
         self._graph = weakref.ref(graph)
@@ -137,8 +138,10 @@ class Watch:
             fix = "so that it is planned there"
         else:
             inputs = ", ".join(f"`{n}`" for n in self.names)
-            what = (f"has inputs with sizes known only at run time ({inputs}), and nothing in it was split; "
-                    f"it runs at {ran}")
+            what = (f"has inputs with sizes known only at run time ({inputs}), and nothing in it was split"
+                    + (" (the splitter's plan for it, at sizes of its choosing, was no smaller than the program "
+                       "as written there, so it runs as written)" if self.no_smaller_plan else "")
+                    + f"; it runs at {ran}")
             fix = "so that it can be planned and split"
         return (f"tf_memsafe: `{self.name}` {what}: there XLA's figure for it is {format_bytes(result.bytes)}, over "
                 f"the limit of {format_bytes(self.limit)}. Give the function the shapes it runs at (an "
@@ -148,11 +151,13 @@ class Watch:
 
 
 def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
-          measure: Callable[[Any, list], int], planned_within: bool = True) -> Watch | None:
+          measure: Callable[[Any, list], int], planned_within: bool = True,
+          no_smaller_plan: bool = False) -> Watch | None:
     """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
     where they name every input of run-time sizes and the plan was within the limit there
-    (``planned_within``); ``None`` where it has none."""
-    w = Watch(graph, planned, limit, checks, measure, planned_within)
+    (``planned_within``); ``None`` where it has none.  ``no_smaller_plan``: the splitter undid its plan,
+    no smaller than the program as written (said where a shape is over)."""
+    w = Watch(graph, planned, limit, checks, measure, planned_within, no_smaller_plan)
     if not w.positions:
         return None
     setattr(graph, WATCH_ATTR, w)

@@ -166,6 +166,8 @@ class _Run:
             self.result, self.notes, self.pending, self.entry_over = (PassResult(self.name), PassResult(self.name),
                                                                       [], None)
             self.written_figure = None
+            # (a plan no smaller than as written at those sizes: recorded; each run shape is checked)
+            self.result.records += [r for r in result.records if r.code == Code.NO_SMALLER]
             return None
         said = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in dict.fromkeys(self.pending)]
         # Sizes of the splitter's choosing (what grows there is Tuning.dynamic_over x the limit), not the
@@ -358,7 +360,7 @@ class _Run:
                 tried, after, measured, _ = self._build(est, info, limit, replay=answers)
                 self.pending = first_warnings
             over = measured if measured is not None else self.warned_figure
-            if over is not None and over > wanted and self.growth is None and tried.changed:
+            if over is not None and over > wanted and tried.changed:     # (a nominal plan: both at its sizes)
                 tried, over = self._no_larger_than_written(est, info, limit, mark, tried, over, answers)
                 if measured is not None:
                     measured = over

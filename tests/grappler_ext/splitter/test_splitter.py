@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
-from grappler_ext import memory_model
+from grappler_ext import memory_model, shapes
 from grappler_ext.graph_query import ancestors, live_ops
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
@@ -699,6 +699,40 @@ class TestProgramsCheckedWithXla:
         with pytest.warns(RuntimeWarning, match=r"needs 32\.0 MB by XLA's figure as split"):
             graph, reasons = self.trace_two(as_written_and_split(3 * LIMIT, 2 * LIMIT))
         assert len(rewrites()) == 2 and format_graph(graph) != plain
+
+    def test_a_nominal_plan_no_smaller_than_as_written_there_is_undone_and_left_to_the_run_check(self):
+        """Sizes known only at run time: the plan is compared with the program as written at the
+        nominal sizes it was made at (faked: 2x the limit both, as a MobileNetV2's step planned under a
+        quarter of its footprint, 490 MiB as split at its batch of 32 against 399 MiB as written): left
+        exactly as traced, recorded, and not said when traced (its sizes are the splitter's): each shape
+        it runs at is checked."""
+        specs = (tf.TensorSpec([None, 64]),) * 6
+        plain = format_graph(tf.function(two_attentions, jit_compile=True).get_concrete_function(*specs).graph)
+        hook.clear_reports()
+        tf_memsafe.enable(LIMIT, strict=True)
+        faked = as_written_and_split(2 * LIMIT, 2 * LIMIT).program
+
+        def figure(graph):      # (as XLA's: none for run-time sizes, outside the nominal ones planned at)
+            if not all(shapes.is_static(t) for t in graph.inputs if t.dtype != tf.resource):
+                raise MeasurementError("an input without a static shape")
+            return faked(graph)
+
+        with splitter_only(FakeMeasurer(program=figure)), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            graph = tf.function(two_attentions, jit_compile=True).get_concrete_function(*specs).graph
+        tf_memsafe.disable()
+        assert format_graph(graph) == plain and rewrites() == []
+        assert [r.code for r in skips()].count(Code.NO_SMALLER) == 1, [r.reason for r in skips()]
+        # Run at a shape over the limit by XLA's figure (two [2000, 2000] score matrices): said once, why.
+        fn = tf.function(two_attentions, jit_compile=True, input_signature=specs)
+        tf_memsafe.enable(LIMIT)
+        try:
+            with splitter_only(FakeMeasurer(program=figure)), pytest.warns(
+                    RuntimeWarning, match=r"nothing in it was split \(the splitter's plan for it, at sizes of its "
+                                          r"choosing, was no smaller than the program as written there"):
+                fn(*[points(2000, 64, seed=i) for i in range(6)])
+        finally:
+            tf_memsafe.disable()
 
     def trace_two(self, measurer=None):
         hook.clear_reports()
