@@ -94,12 +94,12 @@ def test_its_inputs_and_outputs_leave_room_at_the_nominal_size():
     the nominal one (the step as written: 9.5 MB), equal to the unsplit step.  Where the step is 4 x
     the limit the batch is 1,134, its inputs and outputs 8.1 MB, the whole limit; with
     ``dynamic_io_share`` 1 (they may take all of it) the batch is halved once, to 567, and the plan is
-    still a best effort, over the limit there: recorded, and said at a shape the function runs at that
-    is over it (its shapes are checked as it runs), not when traced at sizes of the splitter's choosing."""
+    still a best effort, over the limit there and larger than the step as written there (17.8 MB
+    against 16.0 MB by XLA's figure): undone and recorded, not said when traced at sizes of the
+    splitter's choosing (each shape the function runs at is checked as it runs)."""
     _, records, said = _traced(8_000_000, dataclasses.replace(DEFAULT_TUNING, dynamic_io_share=1.0))
-    assert not said and any(r.code == Code.BEST_EFFORT for r in records), [r.reason for r in records]
-    assert any(r.reason.startswith("not said when traced, checked at each shape it runs at: at 567 ")
-               and "over its limit" in r.reason for r in records), [r.reason for r in records]
+    assert not said and not any(r.action == "rewritten" for r in records), [r.reason for r in records]
+    assert [r.code for r in records].count(Code.NO_SMALLER) == 1, [r.reason for r in records]
     f, records, said = _traced(8_000_000)
     assert not said, said
     assert records[0].code == Code.DYNAMIC_SHAPES and records[0].plan.for_io, records[0]
