@@ -143,10 +143,15 @@ class Watch:
                        "as written there, so it runs as written)" if self.no_smaller_plan else "")
                     + f"; it runs at {ran}")
             fix = "so that it can be planned and split"
+        if self.no_smaller_plan:
+            # (shapes given would be planned alike: what helps is a smaller call or a larger limit)
+            advice = "Raise memory_limit, or call it on less at a time (smaller batches)."
+        else:
+            advice = ("Give the function the shapes it runs at (an input_signature with static shapes; tf.data's "
+                      f"batch(..., drop_remainder=True) or padded_batch with padded_shapes) {fix}, or raise "
+                      "memory_limit.")
         return (f"tf_memsafe: `{self.name}` {what}: there XLA's figure for it is {format_bytes(result.bytes)}, over "
-                f"the limit of {format_bytes(self.limit)}. Give the function the shapes it runs at (an "
-                "input_signature with static shapes; tf.data's batch(..., drop_remainder=True) or padded_batch "
-                f"with padded_shapes) {fix}, or raise memory_limit. Said once for this function; its later "
+                f"the limit of {format_bytes(self.limit)}. {advice} Said once for this function; its later "
                 "shapes are not checked.")
 
 
