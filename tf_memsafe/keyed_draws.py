@@ -77,8 +77,8 @@ def _constant(name: str, device: str, values: list[int], dtype: tf.DType) -> nod
     return node
 
 
-def _keys(node: node_def_pb2.NodeDef, stateless: _Stateless, index: int) -> list[tuple[str, list[int], tf.DType]]:
-    """The constants keying ``node``'s stateless draw: (name suffix, values, type), in input order."""
+def _keys(stateless: _Stateless, index: int) -> list[tuple[str, list[int], tf.DType]]:
+    """The constants keying the ``index``-th draw made ``stateless``: (name suffix, values, type), in input order."""
     if stateless.v2:
         return [("key", [index], tf.uint64), ("counter", [0], tf.uint64), ("alg", _THREEFRY, tf.int32)]
     return [("seed", [0, index], tf.int32)]     # (XLA registers them for int32 seeds)
@@ -116,7 +116,7 @@ def keyed(definition: graph_pb2.GraphDef) -> graph_pb2.GraphDef:
                 continue
             index += 1
             inputs = []
-            for suffix, values, dtype in _keys(node, STATEFUL_DRAWS[node.op], index):
+            for suffix, values, dtype in _keys(STATEFUL_DRAWS[node.op], index):
                 name = node.name + _KEY_SUFFIX + suffix
                 while name in names:
                     name += "_"

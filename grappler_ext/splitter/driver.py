@@ -516,10 +516,10 @@ class _Run:
             self.grow_room = {}
         grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
         if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
-            # (the loops' own figures said no larger chunk fits the room: the same plan)
+            # (the loops alone gave no larger chunk for the room, or could not be measured: the same plan)
             grown.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                           f"figures for them alone at larger chunks leave none within the {room:,} B under the "
-                           "limit less its margin", code=Code.NOT_GROWN,
+                           f"figures for them alone gave no larger chunk within the {room:,} B under the limit less "
+                           "its margin", code=Code.NOT_GROWN,
                        plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
             return grown, grown_after, grown_figure.bytes if grown_figure.known else figure.bytes
         if grown_figure.known and grown_figure.bytes <= wanted:

@@ -491,7 +491,7 @@ def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
             grown = at_least(grown, length, k)
             if grown is None or grown <= chunk:
                 return None
-            if (figures.get(grown) or loop_figure(grown)) - figures[chunk] <= allowed:
+            if (figures[grown] if grown in figures else loop_figure(grown)) - figures[chunk] <= allowed:
                 return grown
             grown = chunk + (grown - chunk) // 2
     except Exception:  # noqa: BLE001 - the plan without the room stands
