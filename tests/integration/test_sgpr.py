@@ -145,13 +145,20 @@ class Trained(NamedTuple):
     program: object        # the loss-and-gradient function minimize compiled
 
 
+@pytest.mark.heavy
 def test_scipy_training_to_convergence_reaches_the_same_elbo():
     """L-BFGS run until scipy's own tests stop it (N = 2000, M = 50, 3 MB: the loss and gradient,
     4.3 MB as written, become a loop over slices of the data).  With the inducing points fixed, both
     programs take the same path to the same optimum.  Trained too, the 150 inducing coordinates let
     L-BFGS amplify the rounding of another summation order into another path (near the optimum the
     two gradients differ by no more than the naive program's with and without XLA): both converge,
-    to ELBOs 1e-6 apart, and at tf_memsafe's optimum the naive program gives the same loss."""
+    to ELBOs 1e-6 apart, and at tf_memsafe's optimum the naive program gives the same loss.
+
+    ``heavy`` (62 s, four trainings to convergence; left out of the default run: ``python -m tests -m
+    heavy`` runs it): GPflow's ``Scipy`` path rewritten, split and taking the naive path is checked by
+    test_scipy_training_as_gpflow_compiles_it above (same iterations, same loss); training to
+    convergence against the naive program is measured by ``python -m experiments.sgpr`` (its
+    ``converged`` rows beside the naive run's ELBO)."""
     rng = np.random.default_rng(0)
     X = rng.standard_normal((2000, 3))
     Y = np.sin(2 * X[:, :1]) + np.cos(X[:, 1:2]) * X[:, 2:3] + 0.1 * rng.standard_normal((2000, 1))

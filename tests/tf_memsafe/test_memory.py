@@ -351,12 +351,13 @@ class TestProgramsMeasuredOnce:
     compiled again: its fingerprint ignores the names TensorFlow numbers (loop bodies, branches)."""
 
     @staticmethod
-    def loop(rows):
+    def loop(rows, scope="layer"):
         def fn(x):
             def body(i, acc):
                 piece = tf.slice(x, [i * rows, 0], [rows, 64])
                 return i + 1, acc + tf.reduce_sum(tf.exp(piece @ tf.transpose(x)))
-            return tf.while_loop(lambda i, acc: i < 4096 // rows, body, (0, 0.0))[1]
+            with tf.name_scope(scope):
+                return tf.while_loop(lambda i, acc: i < 4096 // rows, body, (0, 0.0))[1]
         return tf.function(fn, jit_compile=True, autograph=False)
 
     def test_loops_built_alike_have_one_fingerprint_and_others_another(self):
@@ -364,6 +365,15 @@ class TestProgramsMeasuredOnce:
         prints = [memory.program_fingerprint(self.loop(rows).get_concrete_function(spec).graph.as_graph_def())
                   for rows in (256, 256, 512)]
         assert prints[0] == prints[1] != prints[2]
+
+    def test_the_names_of_a_models_layers_do_not_change_it(self):
+        """Two layers' loops built alike have their ops named after each layer (``encoder/...``,
+        ``encoder_1/...``), in the graph and in the loop's body: one fingerprint, one compile."""
+        spec = tf.TensorSpec([4096, 64])
+        definitions = [self.loop(256, scope).get_concrete_function(spec).graph.as_graph_def()
+                       for scope in ("encoder", "encoder_1")]
+        assert {n.name for n in definitions[0].node} != {n.name for n in definitions[1].node}
+        assert memory.program_fingerprint(definitions[0]) == memory.program_fingerprint(definitions[1])
 
     def test_a_program_measured_again_is_not_compiled_again(self, monkeypatch):
         spec = tf.TensorSpec([4096, 64])
