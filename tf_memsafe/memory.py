@@ -169,7 +169,8 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
 
     The function is compiled, not run.  It is traced afresh each call (the user's own trace cache
     is not touched) and can be called any number of times, for different functions, anywhere in a
-    program.  A program XLA splits into several modules reports their sum.  A program with stateful
+    program.  A program XLA splits into several modules reports their sum; one traced alike before
+    (:func:`program_fingerprint`, names aside) is not compiled again.  A program with stateful
     random draws is compiled as a copy that takes nothing from XLA's generator, so that measuring it
     does not change what the programs compiled after it draw (:mod:`tf_memsafe.keyed_draws`).
     """
@@ -192,20 +193,44 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
             figure = _keyed_figure(called.graph)
             if figure is not None:
                 return figure
-            with _measuring() as folder:
-                outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-                return _read_total_bytes(folder, called.name)
+
+            def measure_outer() -> int:
+                with _measuring() as folder:
+                    outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+                    return _read_total_bytes(folder, called.name)
+            return _remembered(called, measure_outer)
     figure = _keyed_figure(concrete.graph)
     if figure is not None:
         return figure
-    with suspend():
-        with _measuring() as folder:
-            copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-            return _read_total_bytes(folder, concrete.name)
+
+    def measure() -> int:
+        with suspend():
+            with _measuring() as folder:
+                copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
+                return _read_total_bytes(folder, concrete.name)
+    return _remembered(concrete, measure)
 
 
 _FIGURES: collections.OrderedDict[str, int] = collections.OrderedDict()   # program fingerprint -> figure
 _FIGURES_KEPT = 4096
+
+
+def _remembered(concrete, measure, definition: graph_pb2.GraphDef | None = None) -> int:
+    """XLA's figure for ``concrete``'s program (its ``definition``, if at hand): remembered if a
+    program traced alike was measured before (:func:`program_fingerprint`, its captured inputs'
+    shapes, and the user's ``XLA_FLAGS``, which may change how XLA lays it out), else
+    ``measure()``, remembered (the last ``_FIGURES_KEPT``)."""
+    key = (program_fingerprint(definition or concrete.graph.as_graph_def()) + repr(
+        [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
+        + xla_flags.user_value())
+    if key in _FIGURES:
+        _FIGURES.move_to_end(key)
+        return _FIGURES[key]
+    figure = measure()
+    _FIGURES[key] = figure
+    while len(_FIGURES) > _FIGURES_KEPT:
+        _FIGURES.popitem(last=False)
+    return figure
 
 
 def _called_functions(nodes, library: dict) -> list[str]:
@@ -334,18 +359,12 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         definition = concrete.graph.as_graph_def()
         if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
             return graph_bytes(concrete.graph, [spec.shape for spec in specs])
-        key = program_fingerprint(definition) + repr(
-            [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
-        if key in _FIGURES:
-            _FIGURES.move_to_end(key)
-            return _FIGURES[key]
-        with _measuring() as folder:
-            fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
-            figure = _read_total_bytes(folder, concrete.name)
-        _FIGURES[key] = figure
-        while len(_FIGURES) > _FIGURES_KEPT:
-            _FIGURES.popitem(last=False)
-        return figure
+
+        def measure() -> int:
+            with _measuring() as folder:
+                fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
+                return _read_total_bytes(folder, concrete.name)
+        return _remembered(concrete, measure, definition)
 
 
 def live_definition(graph) -> graph_pb2.GraphDef:

@@ -385,3 +385,15 @@ class TestProgramsMeasuredOnce:
         other = memory.compiled_bytes(self.loop(1024), spec)
         assert first == again and len(compiles) == 2
         assert other > first                                          # [1024, 4096] slices, not [128, 4096]
+
+    def test_a_footprint_asked_again_of_a_program_built_alike_is_not_compiled_again(self, monkeypatch):
+        """``memory_footprint`` of a model's step as written, asked again (another layer's alike, the
+        same step traced afresh): remembered; at another shape, compiled."""
+        monkeypatch.setattr(memory, "_FIGURES", type(memory._FIGURES)())     # (nothing from other tests)
+        compiles = []
+        real = xla_flags.dump_for_one_compile
+        monkeypatch.setattr(xla_flags, "dump_for_one_compile", lambda **kw: (compiles.append(1), real(**kw))[1])
+        figures = [tf_memsafe.memory_footprint(self.loop(256, scope), tf.TensorSpec([4096, 64]), rewrite=False)
+                   for scope in ("encoder", "encoder_1")]
+        wider = tf_memsafe.memory_footprint(self.loop(256), tf.TensorSpec([8192, 64]), rewrite=False)
+        assert figures[0] == figures[1] and len(compiles) == 2 and wider > figures[0]
