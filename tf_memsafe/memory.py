@@ -503,7 +503,9 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     time (XLA's "must be a compile-time constant", e.g. the shape a diagonal's gradient rebuilds;
     GPflow's SGPR loss has one) cannot be compiled from shapes.  Then ``fn`` is run once under a
     tape, with zeros for ``tf.TensorSpec`` arguments, and the two programs XLA compiled for that
-    call are measured.
+    call are measured (its stateful random draws, run, take from XLA's generator as any call does;
+    compiled only, a program with such draws is measured as a copy keyed by constants, as in
+    :func:`memory_footprint`).
     """
     copy = _fresh_function(fn)
     args, kwargs = _with_defaults(copy, args, kwargs)
@@ -521,11 +523,15 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     backward_specs = [tf.TensorSpec(t.shape, t.dtype) for t in backward_inputs]
     sizes = []
     try:
-        for name, flat, captured in ((forward.name, flat_args, concrete.captured_inputs),
-                                     (backward.name, backward_specs, ())):
+        for function, flat, captured in ((forward, flat_args, concrete.captured_inputs),
+                                         (backward, backward_specs, ())):
+            if keyed_draws.draws_from_xla_generator(function.graph.as_graph_def()):
+                # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's generator)
+                sizes.append(graph_bytes(function.graph, [a.shape for a in flat]))
+                continue
             with _measuring() as folder:
-                _tf_internals.compile_by_name(name, flat, captured)
-                sizes.append(_read_total_bytes(folder, name))
+                _tf_internals.compile_by_name(function.name, flat, captured)
+                sizes.append(_read_total_bytes(folder, function.name))
     except (ValueError, tf.errors.InvalidArgumentError) as e:
         if "compile-time constant" not in str(e):
             raise

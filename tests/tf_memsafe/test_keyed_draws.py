@@ -79,7 +79,7 @@ def test_a_program_without_stateful_draws_is_given_back_as_it_is():
 
 
 # Run in a process of its own (XLA's generator is the process's): "plain" draws and trains as written;
-# "measured" measures a program with draws three ways first, then trains with tf_memsafe enabled;
+# "measured" measures a program with draws four ways first, then trains with tf_memsafe enabled;
 # "compiled", the control, compiles that program as it is first.
 _DRAWN_AFTER = """
     import os, sys
@@ -97,6 +97,7 @@ _DRAWN_AFTER = """
         memory.memory_footprint(drawing, spec)
         memory.compiled_bytes(tf.function(drawing, jit_compile=True), spec)
         memory.graph_bytes(tf.function(drawing, jit_compile=True).get_concrete_function(spec).graph)
+        memory.tape_footprint(drawing, spec)         # its forward draws (the backward reads the mask)
     if sys.argv[1] == "compiled":
         tf.function(drawing, jit_compile=True).experimental_get_compiler_ir(spec)(stage="optimized_hlo")
     user = tf.function(drawing, jit_compile=True)
