@@ -526,9 +526,13 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
         for function, flat, captured in ((forward, flat_args, concrete.captured_inputs),
                                          (backward, backward_specs, ())):
             if keyed_draws.draws_from_xla_generator(function.graph.as_graph_def()):
-                # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's generator)
-                sizes.append(graph_bytes(function.graph, [a.shape for a in flat]))
-                continue
+                # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's
+                # generator, where a copy can be built: not of a graph taking handles as arguments)
+                try:
+                    sizes.append(graph_bytes(function.graph, [a.shape for a in flat]))
+                    continue
+                except MeasurementError:
+                    pass
             with _measuring() as folder:
                 _tf_internals.compile_by_name(function.name, flat, captured)
                 sizes.append(_read_total_bytes(folder, function.name))
