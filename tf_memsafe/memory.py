@@ -145,14 +145,15 @@ def _read_total_bytes(folder: str, function_name=None) -> int:
     return sum(totals)
 
 
-def _keyed_figure(graph) -> int | None:
-    """XLA's figure for ``graph`` (traced at static shapes) compiled as a copy whose stateful draws are
+def _keyed_figure(graph, definition: graph_pb2.GraphDef, shapes_at=None) -> int | None:
+    """XLA's figure for ``graph`` (its ``definition``; traced at static shapes, or compiled at
+    ``shapes_at`` as :func:`graph_bytes` takes them) compiled as a copy whose stateful draws are
     stateless (:mod:`tf_memsafe.keyed_draws`), where it has such draws and such a copy can be built;
     else ``None``, and the program is compiled as it is."""
-    if not keyed_draws.draws_from_xla_generator(graph.as_graph_def()):
+    if not keyed_draws.draws_from_xla_generator(definition):
         return None
     try:
-        return graph_bytes(graph)
+        return graph_bytes(graph, shapes_at)
     except MeasurementError:      # (an input of a handle type: a variable passed as an argument)
         return None
 
@@ -190,7 +191,8 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
         outer = tf.function(lambda *a, **k: copy(*a, **k), jit_compile=True, autograph=False)
         with hook.suspended():
             called = outer.get_concrete_function(*args, **kwargs)
-            figure = _keyed_figure(called.graph)
+            definition = called.graph.as_graph_def()
+            figure = _keyed_figure(called.graph, definition)
             if figure is not None:
                 return figure
 
@@ -198,8 +200,9 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
                 with _measuring() as folder:
                     outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
                     return _read_total_bytes(folder, called.name)
-            return _remembered(called, measure_outer)
-    figure = _keyed_figure(concrete.graph)
+            return _remembered(called, measure_outer, definition)
+    definition = concrete.graph.as_graph_def()
+    figure = _keyed_figure(concrete.graph, definition)
     if figure is not None:
         return figure
 
@@ -208,19 +211,19 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
             with _measuring() as folder:
                 copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
                 return _read_total_bytes(folder, concrete.name)
-    return _remembered(concrete, measure)
+    return _remembered(concrete, measure, definition)
 
 
 _FIGURES: collections.OrderedDict[str, int] = collections.OrderedDict()   # program fingerprint -> figure
 _FIGURES_KEPT = 4096
 
 
-def _remembered(concrete, measure, definition: graph_pb2.GraphDef | None = None) -> int:
-    """XLA's figure for ``concrete``'s program (its ``definition``, if at hand): remembered if a
-    program traced alike was measured before (:func:`program_fingerprint`, its captured inputs'
-    shapes, and the user's ``XLA_FLAGS``, which may change how XLA lays it out), else
-    ``measure()``, remembered (the last ``_FIGURES_KEPT``)."""
-    key = (program_fingerprint(definition or concrete.graph.as_graph_def()) + repr(
+def _remembered(concrete, measure, definition: graph_pb2.GraphDef) -> int:
+    """XLA's figure for ``concrete``'s program (its ``definition``): remembered if a program traced
+    alike was measured before (:func:`program_fingerprint`, its captured inputs' shapes, and the
+    user's ``XLA_FLAGS``, which may change how XLA lays it out), else ``measure()``, remembered
+    (the last ``_FIGURES_KEPT``)."""
+    key = (program_fingerprint(definition) + repr(
         [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
         + xla_flags.user_value())
     if key in _FIGURES:
@@ -525,14 +528,11 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     try:
         for function, flat, captured in ((forward, flat_args, concrete.captured_inputs),
                                          (backward, backward_specs, ())):
-            if keyed_draws.draws_from_xla_generator(function.graph.as_graph_def()):
-                # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's
-                # generator, where a copy can be built: not of a graph taking handles as arguments)
-                try:
-                    sizes.append(graph_bytes(function.graph, [a.shape for a in flat]))
-                    continue
-                except MeasurementError:
-                    pass
+            # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's generator)
+            figure = _keyed_figure(function.graph, function.graph.as_graph_def(), [a.shape for a in flat])
+            if figure is not None:
+                sizes.append(figure)
+                continue
             with _measuring() as folder:
                 _tf_internals.compile_by_name(function.name, flat, captured)
                 sizes.append(_read_total_bytes(folder, function.name))
