@@ -14,7 +14,10 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   control-flow bodies reach it from ``control_flow_util_v2.create_new_tf_function`` instead;
 * ``control_flow_util.GraphOrParentsInXlaContext`` tells whether a graph is traced inside an XLA
   context (a jit function's ``__call__`` enters one; ``get_concrete_function`` does not, which is
-  why both signals are read);
+  why both signals are read); a trace made inside one builds its control flow for XLA (``If`` and
+  ``While`` carry ``_xla_propagate_compile_time_consts``, not ``_lower_using_switch_merge``), so a
+  copy traced to be measured is traced inside one too (:func:`traced_as_called`, entering
+  ``polymorphic_function.OptionalXlaContext`` as ``__call__`` does);
 * with one non-persistent ``GradientTape`` watching a call, a ``ConcreteFunction`` runs the forward
   and backward functions that ``concrete_function._FirstOrderTapeGradientFunctions`` builds
   (``forward()`` returns the forward ``AtomicFunction``, after which ``_backward`` holds the backward
@@ -55,7 +58,7 @@ __all__ = [
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
     "tape_functions", "calls_xla_function", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
     "uninstall_gradient_recorder", "call_arguments", "export_only", "install_call_check", "uninstall_call_check",
-    "tracing_without_python",
+    "tracing_without_python", "traced_as_called",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -143,6 +146,14 @@ class TraceInfo:
     @property
     def xla_compiled(self) -> bool:
         return self.must_compile or self.in_xla_context
+
+
+def traced_as_called():
+    """A context in which a ``jit_compile=True`` function traced by ``get_concrete_function`` (or
+    ``experimental_get_compiler_ir``) is traced as its call traces it: inside an XLA context, so its
+    control flow is built as XLA compiles it when called (a program measured is the program run)."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+    return polymorphic_function.OptionalXlaContext(True)
 
 
 def calls_xla_function(graph) -> bool:

@@ -181,7 +181,7 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
     def suspend():
         return contextlib.nullcontext() if rewrite else hook.suspended()
 
-    with suspend():
+    with suspend(), _tf_internals.traced_as_called():       # (its control flow as a call builds it)
         concrete = copy.get_concrete_function(*args, **kwargs)
         _require_initialized_variables(concrete.captured_inputs, f"{getattr(fn, '__name__', fn)!r}")
     if any(not t.shape.is_fully_defined() for t in concrete.inputs if t.dtype not in (tf.resource, tf.variant)):
@@ -189,7 +189,7 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
         # compiled for these arguments' shapes, as TensorFlow compiles it when it is called with
         # them -- called from a function traced at those shapes, itself left as it is.
         outer = tf.function(lambda *a, **k: copy(*a, **k), jit_compile=True, autograph=False)
-        with hook.suspended():
+        with hook.suspended(), _tf_internals.traced_as_called():
             called = outer.get_concrete_function(*args, **kwargs)
             definition = called.graph.as_graph_def()
             figure = _keyed_figure(called.graph, definition)
@@ -357,7 +357,8 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
     (:func:`graph_bytes`, :mod:`tf_memsafe.keyed_draws`).
     """
     with hook.suspended():
-        concrete = fn.get_concrete_function(*specs)
+        with _tf_internals.traced_as_called():
+            concrete = fn.get_concrete_function(*specs)
         _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
         definition = concrete.graph.as_graph_def()
         if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
@@ -513,7 +514,7 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     copy = _fresh_function(fn)
     args, kwargs = _with_defaults(copy, args, kwargs)
     suspend = contextlib.nullcontext() if rewrite else hook.suspended()
-    with suspend:
+    with suspend, _tf_internals.traced_as_called():
         concrete = copy.get_concrete_function(*args, **kwargs)
         flat_args = _tf_internals.flat_compile_args(concrete, args, kwargs)
         forward, backward = _tf_internals.tape_functions(concrete)

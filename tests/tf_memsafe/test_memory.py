@@ -397,3 +397,27 @@ class TestProgramsMeasuredOnce:
                    for scope in ("encoder", "encoder_1")]
         wider = tf_memsafe.memory_footprint(self.loop(256), tf.TensorSpec([8192, 64]), rewrite=False)
         assert figures[0] == figures[1] and len(compiles) == 2 and wider > figures[0]
+
+    def test_the_program_measured_is_the_program_a_call_compiles(self, monkeypatch):
+        """A jit function's call traces it inside an XLA context, and the splitter builds its loops
+        there, after the function's body: built for XLA (``_xla_propagate_compile_time_consts``).
+        ``get_concrete_function`` has no such context.  ``memory_footprint`` traces its copy as a
+        call does: the program it measures is the call's, fingerprint for fingerprint (before, the
+        loops differed, so it measured a program no call ran, and none of the splitter's figures
+        from the call were found again)."""
+        @tf.function(jit_compile=True)
+        def nearest(q, p):
+            return tf.argmax(q @ tf.transpose(p), axis=1)      # [2000, 3000] scores, 24 MB
+
+        q, p = tf.random.stateless_normal([2000, 64], [1, 2]), tf.random.stateless_normal([3000, 64], [3, 4])
+        tf_memsafe.enable("4MB")
+        with tf_memsafe.options(strict=True):
+            nearest(q, p)
+            call = nearest.get_concrete_function(q, p).graph
+            assert any(op.type in ("While", "StatelessWhile") for op in call.get_operations())
+            measured = []
+            real = memory._remembered
+            monkeypatch.setattr(memory, "_remembered", lambda concrete, measure, definition: (
+                measured.append(memory.program_fingerprint(definition)), real(concrete, measure, definition))[1])
+            tf_memsafe.memory_footprint(nearest, q, p)
+        assert measured[-1] == memory.program_fingerprint(call.as_graph_def())
