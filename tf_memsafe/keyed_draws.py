@@ -80,7 +80,7 @@ def _constant(name: str, device: str, values: list[int], dtype: tf.DType) -> nod
 def _keys(stateless: _Stateless, index: int) -> list[tuple[str, list[int], tf.DType]]:
     """The constants keying the ``index``-th draw made ``stateless``: (name suffix, values, type), in input order."""
     if stateless.v2:
-        return [("key", [index], tf.uint64), ("counter", [0], tf.uint64), ("alg", _THREEFRY, tf.int32)]
+        return [("key", [index], tf.uint64), ("counter", [0, 0], tf.uint64), ("alg", _THREEFRY, tf.int32)]
     return [("seed", [0, index], tf.int32)]     # (XLA registers them for int32 seeds)
 
 

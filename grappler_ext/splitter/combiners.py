@@ -54,9 +54,9 @@ from tensorflow.compiler.tf2xla.python import xla
 from grappler_ext import shapes
 from grappler_ext.splitter.slicing import clamped_slice, dynamic_slice, join_slices, mask_rows, valid_rows
 
-__all__ = ["RunSpec", "dims_of", "value_at", "tie_count", "nan_propagating", "softmax_partials", "Combiner", "Concat",
-           "InPlace", "write_slice", "with_rows", "Sum", "Mean", "Reduce", "Extremum", "OnlineSoftmax", "Arg", "TopK",
-           "Group", "combiner_for_reduction",
+__all__ = ["RunSpec", "dims_of", "value_at", "tie_count", "first_at", "nan_propagating", "softmax_partials",
+           "accumulated", "Combiner", "Concat", "InPlace", "write_slice", "with_rows", "Sum", "Mean", "Reduce",
+           "Extremum", "OnlineSoftmax", "Arg", "TopK", "Group", "combiner_for_reduction",
            "REDUCTION_COMBINERS"]
 
 
@@ -297,17 +297,36 @@ class _Fold(Combiner):
     def op(self, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor: ...
 
 
+def accumulated(dtype: tf.DType) -> tf.DType:
+    """The type a sum over slices of ``dtype`` is carried in: float32 for half types, as XLA sums a
+    reduction of them (TensorFlow's bridge accumulates float16 and bfloat16 in float32), so that a
+    sum split into slices rounds as the unsplit one does (each slice's partial, once, and the total)."""
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
 class Sum(_Fold):
-    """sum over the split axis = sum over slices of each slice's sum (also: MatMul contracting)."""
+    """sum over the split axis = sum over slices of each slice's sum (also: MatMul contracting);
+    carried in :func:`accumulated`'s type, the outputs given in the partials' own."""
 
     name = "sum"
     linear_upstream = True
 
+    def init(self, partial_specs, steps):
+        self.dtypes = [s.dtype for s in partial_specs]
+        return super().init(partial_specs, steps)
+
     def identity(self, spec):
-        return tf.zeros(dims_of(spec), spec.dtype)
+        return tf.zeros(dims_of(spec), accumulated(spec.dtype))
 
     def op(self, a, b):
-        return a + b
+        return a + tf.cast(b, a.dtype)
+
+    def finish(self, carry, tail_partials, tail_offset):
+        return self._given(super().finish(carry, tail_partials, tail_offset))
+
+    def _given(self, carry):
+        """The outputs in the partials' own types (a half type's sum was carried in float32)."""
+        return [tf.cast(c, d) for c, d in zip(carry, self.dtypes)]
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         return list(upstream)
@@ -338,12 +357,13 @@ class Mean(Sum):
         return _MeanOver(length, self.chunk if chunk is None else chunk)
 
     def step(self, carry, partials, index, offset):
-        return [c + self._weighted(p, self.chunk / self.length) for c, p in zip(carry, partials)]
+        return [c + self._weighted(tf.cast(p, c.dtype), self.chunk / self.length) for c, p in zip(carry, partials)]
 
     def finish(self, carry, tail_partials, tail_offset):
         if tail_partials is not None:
-            carry = [c + self._weighted(p, self.tail / self.length) for c, p in zip(carry, tail_partials)]
-        return list(carry)
+            carry = [c + self._weighted(tf.cast(p, c.dtype), self.tail / self.length)
+                     for c, p in zip(carry, tail_partials)]
+        return self._given(carry)
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         return [None if u is None else self._weighted(u, chunk / self.length) for u in upstream]
@@ -358,14 +378,14 @@ class _MeanOver(Mean):
         self.weight = tf.cast(chunk, tf.float64) / tf.cast(length, tf.float64)
 
     def step(self, carry, partials, index, offset):
-        return [c + self._weighted(p, self.weight) for c, p in zip(carry, partials)]
+        return [c + self._weighted(tf.cast(p, c.dtype), self.weight) for c, p in zip(carry, partials)]
 
     def finish(self, carry, tail_partials, tail_offset):
         if tail_partials is not None:
             raise ValueError("a mean over a run-time length has no remainder slice")
         # x 1, or NaN where the length is 0: the mean of nothing, as unsplit.
         one = tf.cast(self.length, tf.float64) / tf.cast(self.length, tf.float64)
-        return [c * tf.cast(one, c.dtype) for c in carry]
+        return self._given([c * tf.cast(one, c.dtype) for c in carry])
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         weight = tf.cast(chunk, tf.float64) / tf.cast(self.length, tf.float64)
@@ -406,13 +426,20 @@ class Reduce(_Fold):
 
 
 class Extremum(Combiner):
-    """max or min with its gradient: partials are (the slice's max, how many elements attain it).
+    """max or min with its gradient: partials are (the slice's max, how many elements attain it,
+    the first index along the split axis of one that does).
 
     ``tf.reduce_max``'s gradient splits the upstream equally among all elements equal to the
-    maximum, so the split needs the global count ``T`` of ties: the carry keeps ``(m, T)``; in the
-    backward, a slice attaining ``m`` with ``t`` ties receives ``dy * t / T`` and its own
-    ``reduce_max`` gradient divides by ``t``: each tied element gets ``dy / T``, as unsplit.
-    ``finish`` returns ``[m, T]``; only ``m`` replaces the root's output.
+    maximum, so the split needs the global count ``T`` of ties: the carry keeps ``(m, T, i)``, ``i``
+    where ``m`` was first attained.  In the backward, which recomputes each slice (in slices of its
+    own size), a unique maximum's upstream goes whole to the slice holding ``i``; with ties, a slice
+    attaining ``m`` with ``t`` of them receives ``dy * t / T``, and its own ``reduce_max`` gradient
+    divides by ``t``: each tied element gets ``dy / T``, as unsplit.  The position, not the value,
+    finds a unique maximum: a slice recomputed in another loop is reduced in another order by XLA,
+    and its maximum may differ from ``m`` in the last bit (a row's sum, recomputed in slices of 9
+    rows against the forward's 16: no slice equal to ``m``, and every gradient zero).  Exact ties
+    (a ReLU's zeros) are equal however they are summed.  ``finish`` returns ``[m, T, i]``; only ``m``
+    replaces the root's output.
 
     NaN propagates, as in TensorFlow's own ``reduce_max``/``reduce_min`` (eager, and NumPy): a
     column with a NaN anywhere is NaN.  XLA:CPU's reductions and ``maximum`` ignore NaNs (measured
@@ -421,7 +448,7 @@ class Extremum(Combiner):
     gradient where the result is NaN is zero here (TensorFlow's is NaN: 0 ties divide 0).
     """
 
-    hidden_outputs = 1
+    hidden_outputs = 2
 
     def __init__(self, kind: str):
         if kind not in ("max", "min"):
@@ -430,31 +457,45 @@ class Extremum(Combiner):
         self._reduce = Reduce(kind)
 
     def init(self, partial_specs, steps):
-        value_spec, _ = partial_specs
-        return [self._reduce.identity(value_spec), tf.zeros(dims_of(value_spec), value_spec.dtype)]
+        value_spec, _, at_spec = partial_specs
+        return [self._reduce.identity(value_spec), tf.zeros(dims_of(value_spec), value_spec.dtype),
+                tf.zeros(dims_of(at_spec), tf.int32)]
 
-    def _fold(self, carry, partials):
-        m, c = carry
-        p, t = partials
+    def _fold(self, carry, partials, offset):
+        m, c, at = carry
+        p, t, local = partials
         best = tf.where(tf.math.is_nan(m) | tf.math.is_nan(p), m + p, self._reduce.op(m, p))   # NaN stays
         zero = tf.zeros_like(c)
         count = tf.where(tf.equal(m, best), c, zero) + tf.where(tf.equal(p, best), t, zero)
-        return [best, count]
+        later = p > m if self.name == "max" else p < m            # (strictly: the first index stays)
+        return [best, count, tf.where(later, tf.cast(local, tf.int32) + tf.cast(offset, tf.int32), at)]
 
     def step(self, carry, partials, index, offset):
-        return self._fold(carry, partials)
+        return self._fold(carry, partials, offset)
 
     def finish(self, carry, tail_partials, tail_offset):
-        return self._fold(carry, tail_partials) if tail_partials is not None else list(carry)
+        return self._fold(carry, tail_partials, tail_offset) if tail_partials is not None else list(carry)
 
     def slice_upstream(self, upstream, outputs, partials, offset, chunk):
         dy = upstream[0]
         if dy is None:
-            return [None, None]
-        m, total = outputs
-        p, t = partials
-        share = tf.where(tf.equal(p, m), tf.stop_gradient(t) / total, tf.zeros_like(t))
-        return [dy * share, None]
+            return [None, None, None]
+        m, total, at = outputs
+        p, t, _ = partials
+        start = tf.cast(offset, tf.int32)
+        holds = tf.cast((at >= start) & (at < start + chunk), t.dtype)
+        tied = tf.where(tf.equal(p, m), tf.stop_gradient(t) / total, tf.zeros_like(t))
+        return [dy * tf.where(tf.equal(total, 1), holds, tied), None, None]
+
+
+def first_at(x: tf.Tensor, extremum: tf.Tensor, axes, split_axis: int, kind: str) -> tf.Tensor:
+    """The first index along ``split_axis`` (one of ``axes``) of an element of ``x`` attaining its max
+    (min) over ``axes``, shaped as ``extremum`` (that max, with or without its reduced axes): an
+    ``Extremum`` partial, the slice's own index (the combiner adds the slice's offset)."""
+    reduce, arg = (tf.reduce_max, tf.argmax) if kind == "max" else (tf.reduce_min, tf.argmin)
+    others = [a for a in axes if a != split_axis]
+    rows = reduce(x, others, keepdims=True) if others else x
+    return tf.stop_gradient(tf.reshape(arg(rows, split_axis, output_type=tf.int32), tf.shape(extremum)))
 
 
 def nan_propagating(x: tf.Tensor, extremum: tf.Tensor, axes, keepdims: bool) -> tf.Tensor:

@@ -88,11 +88,15 @@ class _Run:
         self.written_figure: int | None = None           # XLA's figure for the program as written, where asked
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
+        self.alike: tuple | None = None                  # (a plan's loops as built, its figure): the same again
+        self.planning = PassResult(self.name)            # the records of the plan being made
         self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
 
     def figure(self) -> Figure:
         if self.replayed:
             return self.replayed
+        if self.alike and outcome.built_alike(self.planning) == self.alike[0]:
+            return self.alike[1]             # (a plan made again built the loops measured: the same program)
         start = time.perf_counter()
         figure = program_figure(self.checker, self.graph)
         self.budget.compiled(time.perf_counter() - start)
@@ -485,7 +489,7 @@ class _Run:
         starved, wanted = self.starved, self.limit
         if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records) or not self.searching():
             return tried, after, measured             # (best efforts: warned then)
-        figure = Figure(measured) if measured is not None else self.figure()
+        figure = Figure(measured) if measured is not None else self.checked or self.figure()
         if not figure.known:
             return tried, after, measured
         room = int(wanted * self.tuning.replan_margin) - figure.bytes
@@ -510,10 +514,11 @@ class _Run:
             return (again, *planned)
 
         self.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
+        self.alike = (outcome.built_alike(tried), figure)   # (a growth that changes no loop: not compiled again)
         try:
             grown, grown_after, grown_measured = replan()
         finally:
-            self.grow_room = {}
+            self.grow_room, self.alike = {}, None
         grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
         if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
             # (the loops alone gave no larger chunk for the room, or could not be measured: the same plan)
@@ -545,7 +550,7 @@ class _Run:
         warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
         nothing split) and XLA's figure for the program as split, where it was worth measuring and
         not measured within the limit already (``None`` otherwise)."""
-        graph, t = self.graph, self.tuning
+        graph, t, self.planning, self.checked = self.graph, self.tuning, result, None  # (checked: XLA's, within)
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
         self.warned_figure = None
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
@@ -601,7 +606,7 @@ class _Run:
                 # lower bound); if over, the model's word is not taken again: every large tensor left is split.
                 figure = self.figure() if after >= t.check_from * limit or bound else Figure()
                 if not figure.over(self.limit):
-                    checked = figure.known
+                    checked, self.checked = figure.known, figure if figure.known else None
                     break
                 trust_model = False
                 result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, but "

@@ -62,7 +62,7 @@ import tensorflow as tf
 
 from grappler_ext import folding, shapes
 from grappler_ext.splitter import replay, whole_at_run
-from grappler_ext.splitter.combiners import Combiner, RunSpec, write_slice
+from grappler_ext.splitter.combiners import Combiner, RunSpec, accumulated, write_slice
 from grappler_ext.splitter.rules import clone_op
 from grappler_ext.splitter.scaling import Scaling
 from grappler_ext.splitter.slicing import (
@@ -521,14 +521,15 @@ def _backward(region, build, external, axes, read_whole, values, outputs, upstre
     axes = [a if f else None for a, f in zip(axes, floating)]
     read_whole = [w and f for w, f in zip(read_whole, floating)]
     # Carry: a TensorArray per input read sliced (joined after the loop), a sum per input read whole.
-    carry0 = [_slices_array(t, a, chunk, steps) for t, a in zip(external, axes) if a is not None]
+    carry0 = [_slices_array(t, a, chunk, steps, run_factor(region, t.ref())) for t, a in zip(external, axes)
+              if a is not None]
     carry0 += _zero_sums(values, read_whole, [u for u in upstream if u is not None] + list(wait_for))
 
     def body(i, *carry):
         sliced_grads, whole_grads = slice_grads(i * chunk, chunk)
         it = iter(carry)
         new = [next(it).write(i, g) for g in sliced_grads if g is not None]
-        new += [next(it) + g for g in whole_grads if g is not None]
+        new += [_added(next(it), g) for g in whole_grads if g is not None]
         return (i + 1, *new)
 
     count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *carry0),
@@ -550,8 +551,15 @@ def _zero_sums(values, read_whole, after) -> list[tf.Tensor]:
     0.3 MB more (XLA's schedule moved)."""
     whole = [v for v, w in zip(values, read_whole) if w]
     anchor = _opaque_true(list(after) or [v for v in values if v.dtype.is_floating])
-    return [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v), _zero_after(anchor, v.dtype))
+    # (a half type's sum in float32, as XLA sums the unsplit gradient's reduction: combiners.accumulated)
+    return [tf.fill(v.shape if v.shape.is_fully_defined() else tf.shape(v),
+                    _zero_after(anchor, accumulated(v.dtype)))
             for v in whole]        # (v's shape, not its original's: a prologue's output is relaid)
+
+
+def _added(total: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """A slice's gradient ``g`` added to the running ``total`` (of :func:`_zero_sums`'s type)."""
+    return total + tf.cast(g, total.dtype)
 
 
 def _inputs_gradients(region, external, values, axes, read_whole, length, arrays, sums, tail_sliced,
@@ -571,7 +579,8 @@ def _inputs_gradients(region, external, values, axes, read_whole, length, arrays
                                      run_factor(region, external[k].ref()).outer))
         if w:
             total = next(sums)
-            parts.append(total if tail_whole[k] is None else total + tail_whole[k])
+            total = total if tail_whole[k] is None else _added(total, tail_whole[k])
+            parts.append(tf.cast(total, values[k].dtype))
         out.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
     return out
 
@@ -697,7 +706,8 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
             lambda partials: folding.slice_upstream(unit, None, partials, offset, size))
 
     fold0 = folding.init(partial_specs, steps)
-    arrays0 = [_slices_array(t, a, chunk, steps) for t, a in zip(inputs, axes) if a is not None]
+    arrays0 = [_slices_array(t, a, chunk, steps, run_factor(region, t.ref())) for t, a in zip(inputs, axes)
+               if a is not None]
     sums0 = _zero_sums(values_in, read_whole, [derived[ref] for ref in keys])
     counts = (len(fold0), len(arrays0))
 
@@ -709,7 +719,7 @@ def _fused_forward(region, build, external, axes, read_whole, values, combiner, 
         fold = folding.step(fold, partials, i, offset)
         it = iter(arrays)
         arrays = [next(it).write(i, g) for g in sliced_grads if g is not None]
-        sums = [s + g for s, g in zip(sums, [g for g in whole_grads if g is not None])]
+        sums = [_added(s, g) for s, g in zip(sums, [g for g in whole_grads if g is not None])]
         return (i + 1, *fold, *arrays, *sums)
 
     count, *carried = tf.while_loop(lambda i, *c: i < steps, body, (tf.constant(0), *fold0, *arrays0, *sums0),
@@ -753,22 +763,26 @@ def _slice_gradients(run, values, sliced_ok, whole_ok, upstream_of, sliced_value
     return (partials, [next(it) if t else None for t in take], [next(it) if ok else None for ok in whole_ok])
 
 
-def _slices_array(t: tf.Tensor, axis: int, chunk, steps) -> tf.TensorArray:
-    """The ``TensorArray`` of ``steps`` slices of ``t``'s gradient along ``axis``; declared to the
-    nominal sizes' table (its stack counts as ``t``: :func:`grappler_ext.shapes.declare_stacked`)."""
-    array = tf.TensorArray(t.dtype, size=steps, infer_shape=True, element_shape=_slice_shape(t, axis, chunk))
+def _slices_array(t: tf.Tensor, axis: int, chunk, steps, factor: Factor = UNIT) -> tf.TensorArray:
+    """The ``TensorArray`` of ``steps`` slices of ``t``'s gradient along ``axis`` (where the split
+    axis is ``factor`` of it); declared to the nominal sizes' table (its stack counts as ``t``:
+    :func:`grappler_ext.shapes.declare_stacked`)."""
+    array = tf.TensorArray(t.dtype, size=steps, infer_shape=True,
+                           element_shape=_slice_shape(t, axis, chunk, factor))
     shapes.declare_stacked(array, t)
     return array
 
 
-def _slice_shape(t: tf.Tensor, axis: int, chunk) -> tf.TensorShape:
-    """The shape of ``t``'s slices of ``chunk`` along ``axis``, as far as it is known statically.  A
-    gradient's TensorArray declares it: DTensor's SPMD expansion refuses a TensorList whose element
-    shape is unranked."""
+def _slice_shape(t: tf.Tensor, axis: int, chunk, factor: Factor = UNIT) -> tf.TensorShape:
+    """The shape of ``t``'s slices of ``chunk`` along ``axis``, as far as it is known statically: in
+    that axis, ``factor.outer`` runs of ``chunk * factor.inner`` rows (a [1, N * N] input reshaped to
+    [1, N, N] and split along its rows: slices of [1, chunk * N]).  A gradient's TensorArray declares
+    it: DTensor's SPMD expansion refuses a TensorList whose element shape is unranked."""
     dims = t.shape.as_list() if t.shape.rank is not None else None
     if dims is None:
         return tf.TensorShape(None)
-    dims[axis] = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
+    rows = [tf.get_static_value(v) if tf.is_tensor(v) else v for v in (chunk, factor.outer, factor.inner)]
+    dims[axis] = None if any(v is None for v in rows) else int(rows[0] * rows[1] * rows[2])
     return tf.TensorShape(dims)
 
 

@@ -101,12 +101,13 @@ def _root_part(option, plan: ChunkPlan, region: Region):
             axes = const_axes(root.inputs[1], root.inputs[0].shape.rank)
             keep = root.get_attr("keep_dims")
             return [combiners.nan_propagating(ins[0], outs[0], axes, keep),
-                    combiners.tie_count(ins[0], axes, keep, kind)]
+                    combiners.tie_count(ins[0], axes, keep, kind),
+                    combiners.first_at(ins[0], outs[0], axes, option.input_axes[0], kind)]
         return outs
 
     if extremum:
         combiner = combiners.Extremum(kind)
-        specs = [_spec_of(root.outputs[0])] * 2
+        specs = [_spec_of(root.outputs[0])] * 2 + [_spec_of(root.outputs[0], tf.int32)]
     elif kind.startswith("arg"):
         combiner = combiners.Arg(kind[3:], root.outputs[0].dtype)
         specs = [_spec_of(root.outputs[0]), _spec_of(root.outputs[0], root.inputs[0].dtype)]

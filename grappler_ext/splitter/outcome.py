@@ -24,6 +24,14 @@ def loop_chunks(result) -> list[tuple[int, int]]:
     return [(r.plan.chunk, r.plan.backward_chunk) for r in result.records if isinstance(r.plan, LoopPlan)]
 
 
+def built_alike(result) -> tuple:
+    """What decides the program a plan's records (a ``PassResult``) built: its loops' plans, less
+    the counts and figures that sized them.  Two plans alike build the same program."""
+    return tuple(dataclasses.replace(r.plan, predicted_bytes=0, sizing=Sizing.MODEL, sizing_detail="",
+                                     bytes_per_row=None, loop_figure_bytes=None)
+                 for r in result.records if isinstance(r.plan, LoopPlan))
+
+
 def megabytes(n: int | None) -> str:
     """``n`` bytes for a person: "12.3 MB" (``None``: "an unknown amount")."""
     return "an unknown amount" if n is None else f"{n / 1e6:,.1f} MB"

@@ -34,7 +34,7 @@ from tensorflow.compiler.tf2xla.python import xla
 
 from grappler_ext import folding
 from grappler_ext.splitter import replay
-from grappler_ext.splitter.combiners import Combiner, with_rows, write_slice
+from grappler_ext.splitter.combiners import Combiner, accumulated, with_rows, write_slice
 from grappler_ext.splitter.loop import (
     Region,
     _carried_through_prologue,
@@ -200,7 +200,8 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
     summed = [w and q is None and not b for w, q, b in zip(read_whole, q_whole, buffered)]
     anchor = _opaque_true([d_out])
     carry0 = [tf.fill(v.shape, tf.cast(anchor, v.dtype) * 0) for v, b in zip(inputs, buffered) if b]
-    carry0 += [tf.fill(v.shape, tf.cast(anchor, v.dtype) * 0) for v, s in zip(inputs, summed) if s]
+    # (a half type's sum in float32, as XLA sums the unsplit gradient's reduction)
+    carry0 += [tf.fill(v.shape, tf.cast(anchor, accumulated(v.dtype)) * 0) for v, s in zip(inputs, summed) if s]
     starts, owned, firsts, stops = _schedule_tensors(tiles)
     qc, kc, nk = tiles.query_block, tiles.key_block, tiles.key_blocks
     out, m, norm = outputs
@@ -235,7 +236,7 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
                     acc[b] = _add_at(acc[b], sliced_grads[k], at)
                 if whole_grads[k] is not None:
                     if s is not None:
-                        acc[s] = acc[s] + whole_grads[k]
+                        acc[s] = acc[s] + tf.cast(whole_grads[k], acc[s].dtype)
                     elif q_whole[k] is not None:
                         acc[b] = _add_at(acc[b], whole_grads[k], {q_whole[k]: start})
                     else:
@@ -251,7 +252,7 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
     grads = [next(it) if b else None for b in buffered]
     for k, s in enumerate(summed):
         if s:
-            grads[k] = next(it)
+            grads[k] = tf.cast(next(it), inputs[k].dtype)
     return _carried_through_prologue(region, external, values, keys, grads[n:], floating[:n], grads[:n])
 
 

@@ -105,6 +105,31 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
             assert after <= limit
 
 
+def test_a_growth_that_changes_no_loop_is_not_compiled_again():
+    """The same step, XLA's figure for the program as split leaving 1 kB under the limit less its
+    margin: too little to give the starved gradient loop another row, so the plan made with that
+    room builds the loops the first plan built.  Its figure is the first plan's: one compile."""
+    limit = 30 * 10**6
+    measurer = FakeMeasurer(program=lambda graph: int(limit * DEFAULT_TUNING.replan_margin) - 1000)
+    model = sgpr_model(gpflow.kernels.Matern32, m=400)
+
+    def loss_and_grads():
+        with tf.GradientTape() as tape:
+            loss = model.training_loss()
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    expected = tf.function(loss_and_grads, jit_compile=True)()
+    tf_memsafe.enable(limit, strict=True)
+    with hook.use_pipeline(default_pipeline({"splitter": Splitter(measurer)})):
+        got = tf.function(loss_and_grads, jit_compile=True)()
+    records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
+    (split,) = [r for r in records if r.action == "rewritten"]
+    (grown,) = [r for r in records if r.code in (Code.GROWN, Code.NOT_GROWN)]
+    assert grown.code == Code.NOT_GROWN and split.plan.backward_chunk == grown.plan.starved_chunks[0], grown.reason
+    assert len(measurer.calls) == 1
+    assert_close(got, expected, 1e-10)
+
+
 def test_loss_with_the_tape_outside(model):
     def loss_and_grads(jit):
         f = tf.function(model.training_loss, jit_compile=jit)

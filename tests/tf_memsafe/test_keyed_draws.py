@@ -72,6 +72,25 @@ def test_every_stateful_draw_is_keyed_and_measured_with_its_own_buffers(op_type,
         assert abs(keyed_figure - written) <= 1024, (keyed_figure, written)
 
 
+def test_a_keyed_draw_takes_keys_tensorflows_own_kernels_take():
+    """A copy's draw of a shape known from its input (a VAE's reparameterisation) is folded into a
+    constant by TensorFlow's kernels before XLA compiles it: its keys must be ones those kernels take
+    too (a Threefry counter of two words), or TensorFlow logs an error for each (results unchanged).
+    Run in a process of its own: the suite hides TensorFlow's warnings."""
+    code = textwrap.dedent("""
+        import tensorflow as tf
+        from tf_memsafe import memory
+        w = tf.ones([16, 2048])
+        fn = tf.function(lambda x: tf.reduce_sum((x + tf.random.normal(tf.shape(x))) @ w), jit_compile=True)
+        print("FIGURE", memory.graph_bytes(fn.get_concrete_function(tf.TensorSpec([2048, 16])).graph))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "1"})
+    assert done.returncode == 0 and "FIGURE" in done.stdout, done.stderr[-2000:]
+    assert "OP_REQUIRES failed" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_program_without_stateful_draws_is_given_back_as_it_is():
     definition = memory.live_definition(_traced(lambda x: x * tf.random.stateless_uniform(SHAPE, seed=[1, 2])))
     assert not keyed_draws.draws_from_xla_generator(definition)

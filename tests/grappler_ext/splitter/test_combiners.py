@@ -49,6 +49,7 @@ from grappler_ext.splitter.combiners import (
     Sum,
     TopK,
     combiner_for_reduction,
+    first_at,
     softmax_partials,
     tie_count,
     value_at,
@@ -721,11 +722,31 @@ class TestExtremum:
     @pytest.mark.parametrize("kind", ("max", "min"))
     def test_values_counts_and_gradient(self, kind, chunk, jit):
         reduce = tf.reduce_max if kind == "max" else tf.reduce_min
-        root = lambda s: [reduce(s, axis=1), tie_count(s, [1], False, kind)]
+        root = lambda s: [reduce(s, axis=1), tie_count(s, [1], False, kind),
+                          first_at(s, reduce(s, axis=1), [1], 1, kind)]
         x = np.random.default_rng(3).integers(0, 3, (4, L)).astype(np.float64)
         assert_exact(split_apply(Extremum(kind), root, x, 1, chunk, jit), reference(root, x))
-        upstream = [np.random.default_rng(4).standard_normal(4), None]
+        upstream = [np.random.default_rng(4).standard_normal(4), None, None]
         assert_gradients_close(*split_gradient(Extremum(kind), root, x, upstream, 1, chunk, 2, jit))
+
+    @pytest.mark.parametrize("jit", MODES)
+    @pytest.mark.parametrize("kind", ("max", "min"))
+    def test_a_unique_extremum_recomputed_a_bit_off_gets_its_gradient(self, kind, jit):
+        """The backward recomputes each slice in slices of its own size, which XLA may reduce in
+        another order: a slice's maximum a bit off the forward's (here: shifted by its size, 1e-13
+        a row).  A unique maximum is found by where it was, not by its value: its upstream reaches
+        it whole (before: no slice equal to the maximum, and a zero gradient)."""
+        reduce = tf.reduce_max if kind == "max" else tf.reduce_min
+
+        def root(s):
+            v = s + tf.cast(tf.shape(s)[1], s.dtype) * 1e-13
+            return [reduce(v, axis=1), tie_count(v, [1], False, kind), first_at(v, reduce(v, axis=1), [1], 1, kind)]
+
+        x = np.stack([np.random.default_rng(r).permutation(L) for r in range(4)]).astype(np.float64)
+        upstream = [np.random.default_rng(4).standard_normal(4), None, None]
+        split, whole = split_gradient(Extremum(kind), root, x, upstream, 1, 3, 2, jit)
+        assert_gradients_close(split, whole)
+        assert np.count_nonzero(split) == 4
 
 
 class TestOnlineSoftmax:

@@ -130,3 +130,38 @@ def test_a_loop_through_merged_rows_of_run_time_sizes(fn):
         want = tf.function(fn, jit_compile=True)(x)
         for g, w in zip(tf.nest.flatten(value), tf.nest.flatten(want)):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
+
+
+N = 256
+FLAT = tf.constant(rng.standard_normal((1, N * N)).astype(np.float32) / 4)
+V = tf.constant(rng.standard_normal(8).astype(np.float32))
+
+
+@pytest.mark.parametrize("combined", ["sum", "max"], ids=["fused", "gradient_loop"])
+def test_an_inputs_gradient_in_slices_of_merged_rows(combined):
+    """An input read through a merge of the split axis with another ([1, N * N] reshaped to [1, N, N],
+    as GPflow's VGP fills its q_sqrt) and differentiated in the loop: each slice's gradient is
+    [1, chunk * N] of it, written into an array of such slices (before: declared [1, chunk], and the
+    loop failed to build, the step left over the limit), in a loop computing the gradients as it
+    goes (a sum) and in a gradient loop of its own (a max)."""
+    def step(flat):
+        with tf.GradientTape() as tape:
+            tape.watch(flat)
+            rows = tf.reduce_sum(tf.exp(tf.reshape(flat, [1, N, N])[..., None] * V), [2, 3])   # [1, N]
+            loss = tf.reduce_sum(rows) if combined == "sum" else tf.reduce_max(rows)
+        return loss, tape.gradient(loss, flat)
+
+    limit = 2 * 10**6                                    # the [1, N, N, 8] exponentials: 8.4 MB
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        got = tf.function(step, jit_compile=True)(FLAT)
+        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
+        after = tf_memsafe.memory_footprint(step, FLAT)
+    finally:
+        tf_memsafe.disable()
+    loops = [r.plan for r in records if r.code == Code.SPLIT]
+    assert loops and loops[0].length == N and loops[0].fused == (combined == "sum"), [r.reason for r in records]
+    assert after <= limit
+    want = tf.function(step, jit_compile=True)(FLAT)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=2e-5, atol=1e-6)
