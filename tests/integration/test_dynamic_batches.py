@@ -50,3 +50,37 @@ def test_fit_on_a_short_last_batch_is_split_along_the_batch(version):
     # XLA's figure for the step as split, at the nominal batch, is within the limit.
     figures = [r for r in records if r.code in (Code.CHECKED_WITHIN, Code.GROWN)]
     assert figures or Code.WITHIN_LIMIT in codes, [r.reason for r in records]
+
+
+VOCAB, WIDTH, WORDS, TEXTS = 2000, 32, 50, 64
+
+
+def _fit_embedding(keras, enabled: bool):
+    """A bag of embeddings (Keras' text-classification tutorial: ``Embedding``, global average pooling,
+    a sigmoid), Adam, two epochs of batches of 64 texts (the last 17: the batch unknown)."""
+    rng = np.random.default_rng(0)
+    ids, labels = rng.integers(0, VOCAB, (2 * TEXTS + 17, WORDS)), rng.integers(0, 2, (2 * TEXTS + 17, 1))
+    data = tf.data.Dataset.from_tensor_slices((ids.astype(np.int32), labels.astype(np.float32))).batch(TEXTS)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input([WORDS], dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(VOCAB, WIDTH)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(pooled))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy", jit_compile=True)
+    losses, records, said = fit_under(model, data, 10**7 if enabled else None, epochs=2)
+    return losses, model.layers[1].get_weights()[0], records, said
+
+
+@pytest.mark.parametrize("version", ["tf_keras", "keras3"])
+def test_an_embedding_on_batches_of_unknown_size_keeps_its_sparse_update(version):
+    """Planned at a nominal batch, the step is split along the batch through a region holding the
+    lookup: the table's gradient, the rows looked up (``IndexedSlices``) as traced, comes out of the
+    loop dense.  It is given back on the ids looked up (each id's row once), so the optimizer updates
+    those rows alone, as Adam's sparse update does.  Before, the pass failed and the step was left
+    as traced with a warning to disable the splitter, at any limit (a 50,000-word table at 100 GB).
+    Whatever plan is kept, the losses and the table are the unsplit fit's, bit for bit."""
+    keras = keras_of(version)
+    want_losses, want_table, _, _ = _fit_embedding(keras, enabled=False)
+    losses, table, records, said = _fit_embedding(keras, enabled=True)
+    assert not any("pass 'splitter' failed" in s for s in said), said
+    np.testing.assert_array_equal(losses, want_losses)
+    np.testing.assert_array_equal(table, want_table)
