@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
-from grappler_ext.splitter.outcome import Code, NominalSize
+from grappler_ext.splitter.outcome import Code, NominalSize, megabytes
 from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check
 from tf_memsafe.errors import RewriteError
 
@@ -236,10 +236,7 @@ def transform(graph) -> None:
         if opts.strict:
             raise RewriteError(f"tf_memsafe could not rewrite `{name}`: {e}", pass_name=pass_name,
                                previous_passes=previous, function_name=name) from e
-        fix = (f"disable it with tf_memsafe.options(disabled_passes=['{pass_name}'])" if pass_name
-               else "please report this")
-        warnings.warn(f"tf_memsafe left `{name}` exactly as traced: {e}. To silence this, {fix}.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(_failed_open(name, e, pass_name, before, opts.memory_limit_bytes), RuntimeWarning, stacklevel=2)
         return
     finally:
         _local.depth -= 1
@@ -253,6 +250,19 @@ def transform(graph) -> None:
                          time.perf_counter() - start)
     _watch_run_time_sizes(graph, opts, report)
     _report(report)
+
+
+def _failed_open(name: str, error: Exception, pass_name: str | None, before: int | None, limit: int | None) -> str:
+    """The one warning of a trace left as traced because a pass failed: what failed, whether the
+    program as traced is over the limit (the memory model's count: nothing was rewritten, so nothing
+    was measured), and what to do."""
+    over = (f" As traced it needs about {megabytes(before)} by the memory model, over its limit of "
+            f"{megabytes(limit)}: it runs so, over the limit; raise memory_limit, or make the "
+            "function smaller (a smaller batch)." if before is not None and limit and before > limit else "")
+    fix = (f"disable that pass with tf_memsafe.options(disabled_passes=['{pass_name}'])" if pass_name
+           else "disable tf_memsafe for this function")
+    return (f"tf_memsafe left `{name}` exactly as traced: {error}.{over} This is a tf_memsafe bug: please "
+            f"report it (strict=True raises it with its traceback). To silence this, {fix}.")
 
 
 def _checked_at_run(opts, xla_compiled: bool) -> bool:

@@ -234,6 +234,19 @@ class TestFailOpen:
         (report,) = tf_memsafe.reports()
         assert report.status == "failed" and "deliberate failure" in report.reason
 
+    def test_a_program_left_over_its_limit_by_a_failing_pass_is_said_to_be(self):
+        """Nothing rewritten, nothing measured: the warning says what the memory model counts as traced
+        against the limit, and what to do about it as well as about the failure."""
+        tf_memsafe.enable("100kB")
+        f = tf.function(lambda x: tf.reduce_sum(x[:, None] * x[None, :]), jit_compile=True)   # [1000, 1000]
+        with hook.use_pipeline(Pipeline([FailingPass()])):
+            with pytest.warns(RuntimeWarning) as rec:
+                f(tf.ones([1000]))
+        (said,) = [str(w.message) for w in rec if "tf_memsafe" in str(w.message)]
+        assert "exactly as traced" in said, said
+        assert "needs about 4.0 MB by the memory model, over its limit of 0.1 MB" in said, said
+        assert "raise memory_limit" in said and "disabled_passes=['failing']" in said and "report it" in said
+
     def test_strict_raises_naming_the_pass(self):
         tf_memsafe.enable("1GB", strict=True)
         f = tf.function(lambda x: tf.sin(x), jit_compile=True)
