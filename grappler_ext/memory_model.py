@@ -424,6 +424,21 @@ def estimate(graph, rules: Mapping[str, Rule] | None = None) -> Estimate:
 _MEMO = "_tf_memsafe_analysis"
 
 
+def _without_rules(unknown: list[str], listed: int = 3) -> str:
+    """The reason for ops the model has no rule for (``"name (Type): why"`` each): every op where
+    they are few, else their types, each with how many, why and the first op's name (an LSTM's
+    step has 18, ten of them its loop's accumulators: a reason a person can read to the end)."""
+    head = f"{len(unknown)} op(s) without a rule: "
+    if len(unknown) <= listed:
+        return head + "; ".join(unknown)
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for text in unknown:
+        name, _, rest = text.partition(" (")
+        kind, _, why = rest.partition("): ")
+        kinds.setdefault((kind, why), []).append(name)
+    return head + "; ".join(f"{kind} x{len(names)} ({why}; first `{names[0]}`)" for (kind, why), names in kinds.items())
+
+
 def analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, dict[str, TensorInfo]]:
     """:func:`estimate` and :func:`annotate` of ``graph`` from one analysis.
 
@@ -576,7 +591,7 @@ def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, 
     schedule = tuple(Step(op.name, op.type, live[s]) for s, op in enumerate(steps))
     reasons = []
     if a.unknown:
-        reasons.append(f"{len(a.unknown)} op(s) without a rule: " + "; ".join(a.unknown))
+        reasons.append(_without_rules(a.unknown))
     if dynamic:
         reasons.append(f"dynamic shapes: {', '.join(dynamic)}")
     return Estimate(

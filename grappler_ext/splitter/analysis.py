@@ -598,7 +598,9 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
         if any(c not in included and c in live and not shape_reader(c) for c in o.consumers()):
-            return Why(Code.REGION_STOPS, f"`{op.name}` is also read outside the region")
+            ours = op.name.startswith(f"{graph_edit.GENERATED_SCOPE}/")
+            what = f"what an earlier split computed (`{op.name}`)" if ours else f"`{op.name}`"
+            return Why(Code.REGION_STOPS, f"{what} is also read outside the region")
     return None
 
 

@@ -306,8 +306,8 @@ class _Run:
         if self.entry_over and not result.changed and not self.pending:
             # Over as written, and no loop built nor warning given on the way: never silently.
             figure, by, why = self.entry_over
-            stuck = [r for r in result.records if r.code in CANNOT_SPLIT]
-            what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck
+            stuck = sorted((r for r in result.records if r.code in CANNOT_SPLIT), key=lambda r: -(r.bytes_before or 0))
+            what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck   # (the largest)
                     else "no tensor in it is large enough for a loop of its own")
             self.pending.append(
                 f"`{self.graph.name}` needs {_mb(figure)} {by}, over its limit of {_mb(self.limit)}; "
