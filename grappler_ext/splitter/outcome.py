@@ -149,7 +149,9 @@ class BestEffort:
             return (f"best effort, the limit cannot be met by the backward ({self.needed_bytes:,} B stay while it "
                     "runs: the region's inputs and their gradients)")
         stop = f"; the region stops where {self.stop}" if self.stop else ""
-        return f"best effort, the limit cannot be met ({self.needed_bytes:,} B needed{stop})"
+        # (the model's count: XLA's figure for the program as split, recorded after, has the last word)
+        return (f"best effort, the limit cannot be met ({self.needed_bytes:,} B needed by the memory model's "
+                f"count{stop})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,8 +35,8 @@ class TestLoopPlan:
         failed = loop_plan(sizing=Sizing.MODEL_MEASURE_FAILED, sizing_detail="MeasurementError",
                            best_effort=BestEffort(3 * 10**6, stop="`x` is an input"))
         assert failed.render().endswith("; chunk from the memory model (measuring the loop failed: MeasurementError); "
-                                        "best effort, the limit cannot be met (3,000,000 B needed; the region stops "
-                                        "where `x` is an input)")
+                                        "best effort, the limit cannot be met (3,000,000 B needed by the memory "
+                                        "model's count; the region stops where `x` is an input)")
         run_time = loop_plan(sizing=Sizing.MODEL_RUN_TIME)
         assert "; chunk from the memory model (its slices have sizes known only at run time, so it is not " \
                "compiled alone)" in run_time.render()
