@@ -19,7 +19,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, outcome, search, whole_at_run
+from grappler_ext.splitter import analysis, mechanism, nominal, outcome, rules, search, whole_at_run
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize
 from grappler_ext.splitter.search_budget import SearchBudget
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
@@ -88,8 +88,8 @@ class _Run:
         self.written_figure: int | None = None           # XLA's figure for the program as written, where asked
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
-        self.alike: tuple | None = None                  # (a plan's loops as built, its figure): the same again
-        self.planning = PassResult(self.name)            # the records of the plan being made
+        # (a plan's loops as built, its figure: the same again; the records of the plan being made)
+        self.alike, self.planning = None, PassResult(self.name)
         self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
 
     def figure(self) -> Figure:
@@ -308,7 +308,8 @@ class _Run:
             figure, by, why = self.entry_over
             stuck = sorted((r for r in result.records if r.code in CANNOT_SPLIT), key=lambda r: -(r.bytes_before or 0))
             what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck   # (the largest)
-                    else "no tensor in it is large enough for a loop of its own")
+                    else "no tensor in it is large enough for a loop of its own") + rules.redraw_hint(
+                self.graph, stuck, self.options.redraw_random)
             self.pending.append(
                 f"`{self.graph.name}` needs {_mb(figure)} {by}, over its limit of {_mb(self.limit)}; "
                 f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
@@ -502,9 +503,7 @@ class _Run:
                            "its margin", code=Code.NOT_GROWN,
                        plan=Growth(tuple(starved.values()), room, figure.bytes))
             return tried, after, figure.bytes        # (over the limit, or within it by less than the margin)
-        journal = graph_edit.active_journal()
-
-        first_warnings = list(self.pending)
+        journal, first_warnings = graph_edit.active_journal(), list(self.pending)
 
         def replan():
             journal.undo(to=mark)
@@ -688,7 +687,8 @@ class _Run:
             return
         self.warned_figure = figure.bytes
         what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
-                else f"the splitter could only reduce it: {worst.reason}")
+                else f"the splitter could only reduce it: {worst.reason}") + rules.redraw_hint(
+            self.graph, [worst] + [r for r in result.records if r.code in CANNOT_SPLIT], self.options.redraw_random)
         as_written = est.peak_bytes is None and self.entry_over is not None
         # (what no rewrite changes, by the model's count of the program as traced: not at nominal sizes)
         arguments, results = (0, 0) if self.growth else (est.parameter_bytes, est.output_bytes)

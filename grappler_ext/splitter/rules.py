@@ -224,6 +224,21 @@ def redrawn(op: tf.Operation) -> bool:
     return op.type in RANDOM_DRAWS or op.type in KEYED_DRAWS
 
 
+def redraw_hint(graph, records, redraw: bool) -> str:
+    """For a warning that the limit cannot be met: where a random draw is among the tensors no region
+    could split (``records``' ops) and ``Options.redraw_random`` is off, what turning it on allows
+    (the region through the draw stopped there, and its refusal may read as another reason: a
+    draw's sum also feeding a variable's update); else nothing.  ``records[0]`` is the one the
+    warning shows: where it says so already, nothing more."""
+    if redraw or not records or "redraw_random" in records[0].reason:
+        return ""
+    names = {getattr(op, "name", op) for r in records for op in r.ops}
+    draws = sorted(op.name for op in graph.get_operations() if op.name in names and redrawn(op))
+    return (f"; a random draw (`{draws[0]}`) stops the regions through it: enable tf_memsafe with "
+            "redraw_random=True to let a loop draw other random numbers of the same distribution slice by slice"
+            if draws else "")
+
+
 @dataclasses.dataclass
 class Reseed:
     """The seed a split region's random draws are drawn again from.

@@ -923,6 +923,22 @@ class TestRandomDrawsRedrawn:
             tf.function(self.kept_per_row, jit_compile=True).get_concrete_function(tf.TensorSpec([1024]))
         assert rewrites() == []
 
+    def test_a_draw_that_stops_regions_other_reasons_seem_to_stop_is_named_with_the_option(self):
+        """A draw added to distances whose total also feeds a variable's update: the region through the
+        draw stops there, and the record the warning shows names another reason (the sum read outside
+        the region).  The warning still says what ``redraw_random=True`` would allow (which splits it)."""
+        total = tf.Variable(0.0)
+
+        def nearest(q):
+            d = tf.reduce_sum(tf.square(q[:, None] - q[None]), -1) + tf.random.uniform([2000, 2000])
+            total.assign_add(tf.reduce_sum(d))
+            return tf.math.top_k(-d, 5).indices
+
+        tf_memsafe.enable(2 * 10**6)
+        with splitter_only(), pytest.warns(RuntimeWarning, match="random draw .* redraw_random=True"):
+            tf.function(nearest, jit_compile=True).get_concrete_function(tf.TensorSpec([2000, 16]))
+        assert rewrites() == []
+
     def test_each_slice_draws_its_own_mask_at_the_rate(self):
         tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
         with splitter_only():
