@@ -128,6 +128,10 @@ def _short_reason(total: tf.Operation, failed) -> str:
         return failed.reason
     square = total.inputs[0].op
     operand = square.inputs[0].op
+    if operand.type in ("Sub", "SquaredDifference") and not all(t.shape.is_fully_defined() for t in operand.inputs):
+        # (a difference of shapes known only at run time: the pattern's expansions are read statically)
+        return (f"`{operand.name}` is a difference of {' and '.join(str(t.shape) for t in operand.inputs)}, shapes "
+                "known only at run time; the pass rewrites differences of static shapes")
     return (f"`{square.name}` squares `{operand.name}` ({operand.type}), not a difference of "
             "[.., N, 1, D] and [.., 1, M, D] tensors")
 

@@ -177,6 +177,14 @@ class TestMustNotFire:
         assert "one norm" not in record.reason
         np.testing.assert_allclose(got, expected, **TOL[tf.float64])
 
+    def test_queries_known_only_at_run_time_are_said_to_be(self):
+        """The pass reads the operands' expansions statically: a kNN traced for any number of queries
+        is left alone, and the record says that is why (before: "not a difference of [.., N, 1, D]
+        and [.., 1, M, D] tensors", which it is)."""
+        fn = SPELLINGS["square"]
+        (rec,) = self.unchanged(fn, tf.TensorSpec([None, D]), tf.TensorSpec([M, D]))
+        assert "shapes known only at run time" in rec.reason and "(None, 1, 64)" in rec.reason, rec.reason
+
     def test_not_a_pairwise_broadcast(self):
         fn = lambda x, y: tf.reduce_sum(tf.square(x - y), -1)
         (rec,) = self.unchanged(fn, tf.TensorSpec([N, 5, D]), tf.TensorSpec([N, 5, D]))
