@@ -88,17 +88,19 @@ class _Run:
         self.written_figure: int | None = None           # XLA's figure for the program as written, where asked
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
-        # (a plan's loops as built, its figure: the same again; the records of the plan being made)
-        self.alike, self.planning = None, PassResult(self.name)
+        # XLA's figures by the loops built and the journal's length (a plan built again: the same
+        # program, however its ops are ordered; undone: another length); the records of the plan being made
+        self.figures, self.planning = {}, PassResult(self.name)
         self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
 
     def figure(self) -> Figure:
         if self.replayed:
             return self.replayed
-        if self.alike and outcome.built_alike(self.planning) == self.alike[0]:
-            return self.alike[1]             # (a plan made again built the loops measured: the same program)
+        key = (outcome.built_alike(self.planning), len(graph_edit.active_journal() or ()))
+        if key in self.figures:
+            return self.figures[key]
         start = time.perf_counter()
-        figure = program_figure(self.checker, self.graph)
+        figure = self.figures[key] = program_figure(self.checker, self.graph)
         self.budget.compiled(time.perf_counter() - start)
         return figure
 
@@ -513,11 +515,10 @@ class _Run:
             return (again, *planned)
 
         self.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
-        self.alike = (outcome.built_alike(tried), figure)   # (a growth that changes no loop: not compiled again)
         try:
             grown, grown_after, grown_measured = replan()
         finally:
-            self.grow_room, self.alike = {}, None
+            self.grow_room = {}
         grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
         if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
             # (the loops alone gave no larger chunk for the room, or could not be measured: the same plan)

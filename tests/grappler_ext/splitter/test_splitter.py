@@ -632,6 +632,17 @@ class TestProgramsCheckedWithXla:
         assert f"XLA's figure as split is {2 * LIMIT:,} B, over the limit of {LIMIT:,} B, with nothing left to " \
                "split" in reasons, reasons
 
+    def test_a_plan_built_again_is_not_compiled_again(self):
+        """The case above, counted: the first plan (its loops, the journal as long) built again after
+        a plan no better is the program measured before, its ops made anew in another order: its
+        figure is the one known (before: compiled again, and again when it was warned of; a mixed-
+        precision Keras step took 55 s to rewrite, 30 s of them six compiles of one program)."""
+        measurer = as_written_and_split(3 * LIMIT, 2 * LIMIT)
+        with pytest.warns(RuntimeWarning, match="over its limit"):
+            self.trace_two(measurer)
+        # The first plan with one loop and with two, the second plan, the program as written (before: 11).
+        assert len(measurer.calls) == 4, len(measurer.calls)
+
     def test_a_split_over_by_xlas_figure_is_planned_again_with_smaller_chunks(self):
         """XLA's figure for the first plan is over the limit (faked: twice it, at both checks), within
         it afterwards: the first plan's loops are undone and the program split again against the
