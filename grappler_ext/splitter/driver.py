@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model
+from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model, shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
@@ -88,15 +88,15 @@ class _Run:
         self.written_figure: int | None = None           # XLA's figure for the program as written, where asked
         self.growth: nominal.Growth | None = None        # run-time dimensions: how the model's count grows
         self.replayed: Figure | None = None              # a plan built again: its figure, known
-        # XLA's figures by the loops built and the journal's length (a plan built again: the same
-        # program, however its ops are ordered; undone: another length); the records of the plan being made
+        # XLA's figures by the loops built, the journal's length and the nominal sizes (a plan built again:
+        # the same program, however its ops are ordered; undone: another length); the plan being made
         self.figures, self.planning = {}, PassResult(self.name)
         self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
 
     def figure(self) -> Figure:
         if self.replayed:
             return self.replayed
-        key = (outcome.built_alike(self.planning), len(graph_edit.active_journal() or ()))
+        key = (outcome.built_alike(self.planning), len(graph_edit.active_journal() or ()), shapes.nominal_key())
         if key in self.figures:
             return self.figures[key]
         start = time.perf_counter()
@@ -492,7 +492,7 @@ class _Run:
         starved, wanted = self.starved, self.limit
         if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records) or not self.searching():
             return tried, after, measured             # (best efforts: warned then)
-        figure = Figure(measured) if measured is not None else self.checked or self.figure()
+        figure = Figure(measured) if measured is not None else self.figure()      # (known: remembered)
         if not figure.known:
             return tried, after, measured
         room = int(wanted * self.tuning.replan_margin) - figure.bytes
@@ -550,7 +550,7 @@ class _Run:
         warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
         nothing split) and XLA's figure for the program as split, where it was worth measuring and
         not measured within the limit already (``None`` otherwise)."""
-        graph, t, self.planning, self.checked = self.graph, self.tuning, result, None  # (checked: XLA's, within)
+        graph, t, self.planning = self.graph, self.tuning, result
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
         self.warned_figure = None
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
@@ -606,7 +606,7 @@ class _Run:
                 # lower bound); if over, the model's word is not taken again: every large tensor left is split.
                 figure = self.figure() if after >= t.check_from * limit or bound else Figure()
                 if not figure.over(self.limit):
-                    checked, self.checked = figure.known, figure if figure.known else None
+                    checked = figure.known
                     break
                 trust_model = False
                 result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, but "

@@ -83,7 +83,7 @@ def test_planned_again_the_gradients_are_rebuilt_from_the_second_plan():
     with the gradients rebuilt through the new loop only."""
     model = Model()
     expected = tf.function(model.loss_and_grads, jit_compile=True)(X, Y, TARGET)
-    figures = iter([2 * LIMIT, 2 * LIMIT])
+    figures = iter([2 * LIMIT])          # the first plan's (asked again: remembered), then within
     tf_memsafe.enable(LIMIT, strict=True)
     with splitter_only(FakeMeasurer(program=lambda graph: next(figures, LIMIT // 2))):
         fn = tf.function(model.loss_and_grads, jit_compile=True)

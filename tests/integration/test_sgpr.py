@@ -51,12 +51,17 @@ def assert_close(got, expected, rtol):
         assert np.linalg.norm(g - e) <= rtol * np.linalg.norm(e), (g, e)
 
 
-def test_loss_and_gradients_with_the_tape_inside(model):
+def loss_and_gradients(model):
+    """GPflow's training loss of ``model`` and its gradients, the tape inside (as its Scipy optimizer has them)."""
     def loss_and_grads():
         with tf.GradientTape() as tape:
             loss = model.training_loss()
         return loss, tape.gradient(loss, model.trainable_variables)
+    return loss_and_grads
 
+
+def test_loss_and_gradients_with_the_tape_inside(model):
+    loss_and_grads = loss_and_gradients(model)
     # (XLA's figures of the very programs run: tests/xla_run.py)
     expected, before = run_and_measure(tf.function(loss_and_grads, jit_compile=True))
     tf_memsafe.enable(LIMIT, strict=True)
@@ -80,11 +85,7 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
     measurer = xla if xla_agrees else FakeMeasurer(program=lambda graph: next(measured, lambda g: 10**9)(graph))
     model = sgpr_model(gpflow.kernels.Matern32, m=400)
 
-    def loss_and_grads():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    loss_and_grads = loss_and_gradients(model)
     expected = tf.function(loss_and_grads, jit_compile=True)()
     limit = 30 * 10**6
     tf_memsafe.enable(limit, strict=True)
@@ -114,11 +115,7 @@ def test_a_growth_that_changes_no_loop_is_not_compiled_again():
     measurer = FakeMeasurer(program=lambda graph: int(limit * DEFAULT_TUNING.replan_margin) - 1000)
     model = sgpr_model(gpflow.kernels.Matern32, m=400)
 
-    def loss_and_grads():
-        with tf.GradientTape() as tape:
-            loss = model.training_loss()
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    loss_and_grads = loss_and_gradients(model)
     expected = tf.function(loss_and_grads, jit_compile=True)()
     tf_memsafe.enable(limit, strict=True)
     # (a search that never runs out of time: on a busy machine the floor of a minute could stop it)

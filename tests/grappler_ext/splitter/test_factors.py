@@ -57,6 +57,18 @@ def training_step(loss_of):
     return step
 
 
+def split_under(limit: int, fn, x):
+    """``fn(x)`` traced and run under ``limit`` (strict): its outputs, the splitter's records of that
+    trace and XLA's figure for it rewritten."""
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        got = tf.function(fn, jit_compile=True)(x)
+        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
+        return got, records, tf_memsafe.memory_footprint(fn, x)
+    finally:
+        tf_memsafe.disable()
+
+
 # attention_like's forward under a fifth: at a quarter, two loops (the first Dense along the sequence,
 # then the reduction over its features) fit it as well, 3.7 MB of 4.8 MB.
 @pytest.mark.parametrize("fn, lengths, ratio", [
@@ -67,13 +79,7 @@ def training_step(loss_of):
 def test_a_loop_through_merged_rows(fn, lengths, ratio):
     naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
     limit = naive // ratio
-    tf_memsafe.enable(limit, strict=True)
-    try:
-        got = tf.function(fn, jit_compile=True)(X)
-        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
-        after = tf_memsafe.memory_footprint(fn, X)
-    finally:
-        tf_memsafe.disable()
+    got, records, after = split_under(limit, fn, X)
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
     assert len(loops) == 1 and loops[0].length in lengths, [r.reason for r in records]
     assert after <= limit < naive
@@ -152,13 +158,7 @@ def test_an_inputs_gradient_in_slices_of_merged_rows(combined):
         return loss, tape.gradient(loss, flat)
 
     limit = 2 * 10**6                                    # the [1, N, N, 8] exponentials: 8.4 MB
-    tf_memsafe.enable(limit, strict=True)
-    try:
-        got = tf.function(step, jit_compile=True)(FLAT)
-        records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
-        after = tf_memsafe.memory_footprint(step, FLAT)
-    finally:
-        tf_memsafe.disable()
+    got, records, after = split_under(limit, step, FLAT)
     loops = [r.plan for r in records if r.code == Code.SPLIT]
     assert loops and loops[0].length == N and loops[0].fused == (combined == "sum"), [r.reason for r in records]
     assert after <= limit
