@@ -11,8 +11,9 @@ combiner       rule                                                   gradient (
 ``concat``     out[.., s:s+c, ..] = root(slice)  (split axis kept)    upstream sliced
 ``sum``        out = sum_s root(slice)   (Sum; MatMul contracting)    upstream, whole
 ``mean``       out = sum_s root(slice) * c / L                        upstream * c / L
-``max/min``    out = max_s root(slice); the ties counted too          ``dy * t_s / T`` to a slice
-                                                                      with ``t_s`` of ``T`` ties
+``max/min``    out = max_s root(slice); the ties counted too, and     ``dy`` to the slice holding a
+               where the first maximum is                             unique one; ``dy * t_s / T`` to
+                                                                      a slice with ``t_s`` of ``T`` ties
 ``prod``       out = prod_s root(slice)                               none
 ``all/any``    out = and/or_s root(slice)                             (boolean)
 ``arg``        running (value, index + s); strict improvement only,   (integer)
@@ -26,8 +27,9 @@ combiner       rule                                                   gradient (
 
 Numerics: ``concat``, ``max/min``, ``all/any``, ``arg`` and ``top_k`` are exact.  ``sum``,
 ``mean`` and ``prod`` reassociate a floating-point reduction (the original reduces in XLA's own
-order, which is not specified either): results differ by rounding only, and integer results are
-exact (an integer ``mean`` is refused: truncated slice means do not give the truncated mean).
+order, which is not specified either): results differ by rounding only (a float16 or bfloat16 sum
+is carried in float32 and rounded once, as XLA sums it unsplit: :func:`accumulated`), and integer
+results are exact (an integer ``mean`` is refused: truncated slice means do not give the truncated mean).
 NaN propagates through ``sum``/``mean``/``prod``; ``max``/``min`` of a NaN follow
 ``tf.maximum``/``tf.minimum``, which on TF 2.21 CPU propagate it without XLA and not under it,
 as the unsplit reductions do.  ``arg`` takes each slice's value at its arg index and lets any
