@@ -240,12 +240,12 @@ class _Analysis:
         self.output_sources = {self.source[t.name] for t in getattr(graph, "outputs", []) if t is not None}
         self.info: dict[str, TensorInfo] = {}
         self.fused_roots: dict[str, frozenset] = {}   # fused tensor -> the kernels whose fusion holds it
-        self.unknown: list[str] = []
+        self.unknown: list[tuple[str, str, str]] = []   # (name, type, why) of each op without a rule
         for op in reversed(self.order):               # readers are decided before their producers
             rule = rules.get(op.type)
             why = rule.unknown_when(op) if rule is not None and rule.unknown_when is not None else None
             if rule is None or why:
-                self.unknown.append(f"{op.name} ({op.type}): {why or NO_RULE_REASONS.get(op.type, 'no rule')}")
+                self.unknown.append((op.name, op.type, why or NO_RULE_REASONS.get(op.type, "no rule")))
             for t in op.outputs:
                 self.info[t.name] = self._decide(op, rule, t)
         self.unknown.reverse()
@@ -424,17 +424,20 @@ def estimate(graph, rules: Mapping[str, Rule] | None = None) -> Estimate:
 _MEMO = "_tf_memsafe_analysis"
 
 
-def _without_rules(unknown: list[str], listed: int = 3) -> str:
-    """The reason for ops the model has no rule for (``"name (Type): why"`` each): every op where
+def _unknown_op(name: str, kind: str, why: str) -> str:
+    """One op without a rule, as :attr:`Estimate.unknown_ops` lists it."""
+    return f"{name} ({kind}): {why}"
+
+
+def _without_rules(unknown: list[tuple[str, str, str]], listed: int = 3) -> str:
+    """The reason for ops the model has no rule for (``(name, type, why)`` each): every op where
     they are few, else their types, each with how many, why and the first op's name (an LSTM's
     step has 18, ten of them its loop's accumulators: a reason a person can read to the end)."""
     head = f"{len(unknown)} op(s) without a rule: "
     if len(unknown) <= listed:
-        return head + "; ".join(unknown)
+        return head + "; ".join(_unknown_op(*u) for u in unknown)
     kinds: dict[tuple[str, str], list[str]] = {}
-    for text in unknown:
-        name, _, rest = text.partition(" (")
-        kind, _, why = rest.partition("): ")
+    for name, kind, why in unknown:
         kinds.setdefault((kind, why), []).append(name)
     return head + "; ".join(f"{kind} x{len(names)} ({why}; first `{names[0]}`)" for (kind, why), names in kinds.items())
 
@@ -601,7 +604,7 @@ def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, 
         output_bytes=sum(b.bytes for b in buffers if b.kind == "output"),
         live_peak_bytes=live[peak_step],
         peak_op=steps[peak_step].name if steps else None,
-        unknown_ops=tuple(a.unknown),
+        unknown_ops=tuple(_unknown_op(*u) for u in a.unknown),
         dynamic_tensors=dynamic,
         buffers=tuple(buffers),
         schedule=schedule,

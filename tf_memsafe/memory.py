@@ -193,35 +193,22 @@ def memory_footprint(fn, *args, rewrite: bool = True, **kwargs) -> int:
             called = outer.get_concrete_function(*args, **kwargs)
             definition = called.graph.as_graph_def()
             figure = _keyed_figure(called.graph, definition)
-            if figure is not None:
-                return figure
-
-            def measure_outer() -> int:
-                with _measuring() as folder:
-                    outer.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-                    return _read_total_bytes(folder, called.name)
-            return _remembered(called, measure_outer, definition)
+            return figure if figure is not None else _remembered(outer, called, definition, args, kwargs)
     definition = concrete.graph.as_graph_def()
     figure = _keyed_figure(concrete.graph, definition)
-    if figure is not None:
-        return figure
-
-    def measure() -> int:
-        with suspend():
-            with _measuring() as folder:
-                copy.experimental_get_compiler_ir(*args, **kwargs)(stage="optimized_hlo")
-                return _read_total_bytes(folder, concrete.name)
-    return _remembered(concrete, measure, definition)
+    return figure if figure is not None else _remembered(copy, concrete, definition, args, kwargs, suspend)
 
 
 _FIGURES: collections.OrderedDict[str, int] = collections.OrderedDict()   # program fingerprint -> figure
 _FIGURES_KEPT = 4096
 
 
-def _remembered(concrete, measure, definition: graph_pb2.GraphDef) -> int:
-    """XLA's figure for ``concrete``'s program (its ``definition``): remembered if a program traced
-    alike was measured before (:func:`program_fingerprint`, its captured inputs' shapes, and the
-    user's ``XLA_FLAGS``, which may change how XLA lays it out), else ``measure()``, remembered
+def _remembered(fn, concrete, definition: graph_pb2.GraphDef, args=(), kwargs=None,
+                within=contextlib.nullcontext) -> int:
+    """XLA's figure for ``fn`` compiled on ``args`` and ``kwargs`` (``concrete``: its trace there, whose
+    program is ``definition``): remembered if a program traced alike was measured before
+    (:func:`program_fingerprint`, its captured inputs' shapes, and the user's ``XLA_FLAGS``, which
+    may change how XLA lays it out), else compiled (never run; inside ``within()``) and remembered
     (the last ``_FIGURES_KEPT``)."""
     key = (program_fingerprint(definition) + repr(
         [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
@@ -229,7 +216,9 @@ def _remembered(concrete, measure, definition: graph_pb2.GraphDef) -> int:
     if key in _FIGURES:
         _FIGURES.move_to_end(key)
         return _FIGURES[key]
-    figure = measure()
+    with within(), _measuring() as folder:
+        fn.experimental_get_compiler_ir(*args, **(kwargs or {}))(stage="optimized_hlo")
+        figure = _read_total_bytes(folder, concrete.name)
     _FIGURES[key] = figure
     while len(_FIGURES) > _FIGURES_KEPT:
         _FIGURES.popitem(last=False)
@@ -363,12 +352,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         definition = concrete.graph.as_graph_def()
         if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
             return graph_bytes(concrete.graph, [spec.shape for spec in specs])
-
-        def measure() -> int:
-            with _measuring() as folder:
-                fn.experimental_get_compiler_ir(*specs)(stage="optimized_hlo")
-                return _read_total_bytes(folder, concrete.name)
-        return _remembered(concrete, measure, definition)
+        return _remembered(fn, concrete, definition, specs)
 
 
 def live_definition(graph) -> graph_pb2.GraphDef:

@@ -292,7 +292,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict, ignor
             k0, axes0 = next(iter(wanted.items()))
             prop = rules.propagate(op, k0, next(iter(axes0)), reseed, factor)
             if not prop:
-                stop = Why(Code.REFUSED_OP, prop.reason)
+                stop = Why(Code.RANDOM_DRAW if prop.draw else Code.REFUSED_OP, prop.reason)
             elif any(prop.output_axes[k] != next(iter(axes)) for k, axes in wanted.items()):
                 stop = Why(Code.REFUSED_OP, f"`{op.type}` splits its outputs along other axes")
             elif ignored and _sparse_lookup(op, prop):
@@ -598,8 +598,7 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
         if any(c not in included and c in live and not shape_reader(c) for c in o.consumers()):
-            ours = op.name.startswith(f"{graph_edit.GENERATED_SCOPE}/")
-            what = f"what an earlier split computed (`{op.name}`)" if ours else f"`{op.name}`"
+            what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             return Why(Code.REGION_STOPS, f"{what} is also read outside the region")
     return None
 

@@ -65,6 +65,7 @@ class Code(str, enum.Enum):
     # A large tensor not split (the "cannot split" records: :data:`CANNOT_SPLIT`).
     NO_ROOT = "no_root"                      # no op downstream reduces it or has a split rule
     REFUSED_OP = "refused_op"                # the region stops at an op a rule refuses (no rule, stateful, ...)
+    RANDOM_DRAW = "random_draw"              # ... a random draw, which Options.redraw_random lets a loop draw again
     REGION_STOPS = "region_stops"            # the region stops before it (an input, read whole or elsewhere)
     REGION_CONFLICT = "region_conflict"      # wanted along two axes, lengths differ, roots read each other
     SPARSE_LOOKUP = "sparse_lookup"          # an embedding lookup, whose recorded gradient is IndexedSlices
@@ -87,9 +88,9 @@ class Code(str, enum.Enum):
 
 # A large tensor that stays whole because no candidate region around it could be planned (the
 # warning names the largest); its record is dropped if a later region took the tensor in after all.
-CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.REGION_STOPS, Code.REGION_CONFLICT, Code.DYNAMIC_AXIS,
-                          Code.SPARSE_LOOKUP, Code.SHARDED_AXIS, Code.JOINED_TOO_LARGE, Code.SAVES_TOO_LITTLE,
-                          Code.NO_PLAN, Code.TOP_K_TOO_SMALL})
+CANNOT_SPLIT = frozenset({Code.NO_ROOT, Code.REFUSED_OP, Code.RANDOM_DRAW, Code.REGION_STOPS, Code.REGION_CONFLICT,
+                          Code.DYNAMIC_AXIS, Code.SPARSE_LOOKUP, Code.SHARDED_AXIS, Code.JOINED_TOO_LARGE,
+                          Code.SAVES_TOO_LITTLE, Code.NO_PLAN, Code.TOP_K_TOO_SMALL})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,6 +73,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
 from grappler_ext.op_types import RESERVE_SPACES, reserve_space
+from grappler_ext.splitter.outcome import Code
 from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = [
@@ -145,9 +146,11 @@ class Propagation:
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why the split axis cannot pass through an op; always falsy."""
+    """Why the split axis cannot pass through an op; always falsy.  ``draw``: the op is a random
+    draw that ``Options.redraw_random`` would let a loop draw again slice by slice."""
 
     reason: str
+    draw: bool = False
 
     def __bool__(self) -> bool:
         return False
@@ -226,13 +229,14 @@ def redrawn(op: tf.Operation) -> bool:
 
 def redraw_hint(graph, records, redraw: bool) -> str:
     """For a warning that the limit cannot be met: where a random draw is among the tensors no region
-    could split (``records``' ops) and ``Options.redraw_random`` is off, what turning it on allows
-    (the region through the draw stopped there, and its refusal may read as another reason: a
-    draw's sum also feeding a variable's update); else nothing.  ``records[0]`` is the one the
-    warning shows: where it says so already, nothing more."""
-    if redraw or not records or "redraw_random" in records[0].reason:
+    could split (``records``' ops, by name) and ``Options.redraw_random`` is off, what turning it on
+    allows (the region through the draw stopped there, and its refusal may read as another reason:
+    a draw's sum also feeding a variable's update); else nothing.  ``records[0]`` is the one the
+    warning shows: where it is a draw's refusal (``Code.RANDOM_DRAW``), which names the option
+    itself, nothing more."""
+    if redraw or not records or records[0].code == Code.RANDOM_DRAW:
         return ""
-    names = {getattr(op, "name", op) for r in records for op in r.ops}
+    names = {name for r in records for name in r.ops}
     draws = sorted(op.name for op in graph.get_operations() if op.name in names and redrawn(op))
     return (f"; a random draw (`{draws[0]}`) stops the regions through it: enable tf_memsafe with "
             "redraw_random=True to let a loop draw other random numbers of the same distribution slice by slice"
@@ -298,12 +302,12 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
     if op.type in RANDOM_DRAWS:
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice, "
                        "drawing other random numbers; enable tf_memsafe with redraw_random=True to allow that "
-                       "(each slice then draws its own)")
+                       "(each slice then draws its own)", draw=True)
     if op.type in KEYED_DRAWS:
         if reseed is None:
             return Refusal(f"cannot split through `{op.type}` ({op.name}): a slice of a random draw is not the draw "
                            "of a slice; enable tf_memsafe with redraw_random=True to allow other draws of the same "
-                           "distribution (each slice then draws its own)")
+                           "distribution (each slice then draws its own)", draw=True)
         dynamic = _drawn_dynamic(op)
         if dynamic is not None:
             return Refusal(f"cannot split through `{op.type}` ({op.name}): {dynamic}; only static shapes are split")

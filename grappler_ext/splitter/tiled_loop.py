@@ -37,12 +37,14 @@ from grappler_ext.splitter import replay
 from grappler_ext.splitter.combiners import Combiner, accumulated, with_rows, write_slice
 from grappler_ext.splitter.loop import (
     Region,
+    _added,
     _carried_through_prologue,
     _in_order,
     _opaque_true,
     _roles,
     _slice_builder,
     _slice_gradients,
+    _zero_after,
     external_inputs,
     region_inputs,
 )
@@ -199,9 +201,9 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
                 for f, a, w, q in zip(floating, key_axes, read_whole, q_whole)]
     summed = [w and q is None and not b for w, q, b in zip(read_whole, q_whole, buffered)]
     anchor = _opaque_true([d_out])
-    carry0 = [tf.fill(v.shape, tf.cast(anchor, v.dtype) * 0) for v, b in zip(inputs, buffered) if b]
+    carry0 = [tf.fill(v.shape, _zero_after(anchor, v.dtype)) for v, b in zip(inputs, buffered) if b]
     # (a half type's sum in float32, as XLA sums the unsplit gradient's reduction)
-    carry0 += [tf.fill(v.shape, tf.cast(anchor, accumulated(v.dtype)) * 0) for v, s in zip(inputs, summed) if s]
+    carry0 += [tf.fill(v.shape, _zero_after(anchor, accumulated(v.dtype))) for v, s in zip(inputs, summed) if s]
     starts, owned, firsts, stops = _schedule_tensors(tiles)
     qc, kc, nk = tiles.query_block, tiles.key_block, tiles.key_blocks
     out, m, norm = outputs
@@ -236,7 +238,7 @@ def _backward(region, op_inputs, tiles: TilePlan, external, values, outputs, ups
                     acc[b] = _add_at(acc[b], sliced_grads[k], at)
                 if whole_grads[k] is not None:
                     if s is not None:
-                        acc[s] = acc[s] + tf.cast(whole_grads[k], acc[s].dtype)
+                        acc[s] = _added(acc[s], whole_grads[k])
                     elif q_whole[k] is not None:
                         acc[b] = _add_at(acc[b], whole_grads[k], {q_whole[k]: start})
                     else:

@@ -417,7 +417,7 @@ class TestProgramsMeasuredOnce:
             assert any(op.type in ("While", "StatelessWhile") for op in call.get_operations())
             measured = []
             real = memory._remembered
-            monkeypatch.setattr(memory, "_remembered", lambda concrete, measure, definition: (
-                measured.append(memory.program_fingerprint(definition)), real(concrete, measure, definition))[1])
+            monkeypatch.setattr(memory, "_remembered", lambda fn, concrete, definition, *rest: (
+                measured.append(memory.program_fingerprint(definition)), real(fn, concrete, definition, *rest))[1])
             tf_memsafe.memory_footprint(nearest, q, p)
         assert measured[-1] == memory.program_fingerprint(call.as_graph_def())
