@@ -46,8 +46,8 @@ the table there).  It is an estimate because the model does not know:
   lets any freed bytes hold an output, which XLA cannot always do (0.95x on attention);
 * fusion decisions not measured here (multi-output sibling fusion, a copy XLA inserts for a
   dot's layout) and XLA versions other than TensorFlow 2.21's;
-* library expansions (Cholesky, triangular solve, inverse): fitted formulas, within about 12%
-  of the measured scratch above 128 x 128;
+* library expansions (Cholesky, triangular solve, inverse, solve, eigh, SVD): fitted formulas,
+  within about 12% of the measured scratch above 128 x 128;
 * what XLA does with a conditional: the model counts its branches on their own graphs, and the
   new values of the variables they write as the conditional's results (measured, an overcount);
 * ``While`` loops and ops without a rule (reported, not modelled), and float16/bfloat16
@@ -205,6 +205,10 @@ class Estimate:
 
 # Layout ops whose output is larger than an input without reading any element twice.
 _NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad"})
+# Ops whose output is an array even where every input is one value broadcast (see _from_constants).
+_ARRAY_MAKERS = frozenset({"Range", "LinSpace", "OneHot", "MatrixDiagV3", "MatrixSetDiagV3", "MatrixBandPart",
+                           "ConcatV2", "Pad", "PadV2", "MirrorPad", "Cumsum", "Cumprod"})
+_FED = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})   # values from outside the graph
 
 
 def _shape_tuple(t: tf.Tensor):
@@ -238,6 +242,8 @@ class _Analysis:
             for k, t in enumerate(op.outputs):
                 self.source[t.name] = self.source[inputs[k].name] if k < len(inputs) else t.name
         self.output_sources = {self.source[t.name] for t in getattr(graph, "outputs", []) if t is not None}
+        self.constant = self._from_constants()
+        self.literals: set[str] = set()               # tensors XLA folds into literals of their own
         self.info: dict[str, TensorInfo] = {}
         self.fused_roots: dict[str, frozenset] = {}   # fused tensor -> the kernels whose fusion holds it
         self.unknown: list[tuple[str, str, str]] = []   # (name, type, why) of each op without a rule
@@ -249,6 +255,41 @@ class _Analysis:
             for t in op.outputs:
                 self.info[t.name] = self._decide(op, rule, t)
         self.unknown.reverse()
+
+    def _from_constants(self) -> dict[str, bool]:
+        """The tensors computed from constants only, each mapped to whether its value is an array
+        rather than one value broadcast (a ``Fill``, and elementwise ops and layouts of such).  XLA
+        folds them at compile time: one value broadcast stays a broadcast its readers fuse (measured:
+        ``x * (tf.ones([n, n]) * 2)`` holds ``x`` and its result only); an array (an iota, a diagonal,
+        a band, a comparison of iotas) becomes a literal of its full size where the program's data
+        meets it (measured: ``x + tf.eye(n)``, ``x * band_part(ones, -1, 0)``, ``x + cast(range[:, None]
+        - range[None])`` each hold an n x n constant beside ``x`` and the result)."""
+        constant: dict[str, bool] = {}
+        for op in self.order:
+            rule = self.rules.get(op.type)
+            if rule is None or op.type in _FED or op.op_def.is_stateful or rule.kind not in (
+                    Kind.CONSTANT, Kind.LOOP, Kind.BITCAST, Kind.REDUCE, Kind.STATIC):
+                continue
+            inputs = self.data_inputs(op)
+            if any(t.name not in constant for t in inputs):
+                continue
+            array = (op.type in _ARRAY_MAKERS or any(constant[t.name] for t in inputs)
+                     or (rule.kind is Kind.CONSTANT and (_elements(op.outputs[0]) or 0) > 1))
+            for t in op.outputs:
+                constant[t.name] = array
+        return constant
+
+    def _folded(self, t: tf.Tensor) -> TensorInfo:
+        """The decision for an array computed from constants only (:meth:`_from_constants`): a literal
+        where an op of the program's data (or the function's caller) reads it, else folded into one."""
+        meets = self.is_output(t) or any(
+            not any(o.name in self.constant for o in reader.outputs) for reader, _ in self.readers(t))
+        if not meets:
+            return self._info(t, False, "computed from constants only: folded into the literal its readers make")
+        if (_elements(t) or 0) <= 1:
+            return self._info(t, False, "scalar computed from constants, folded into its consumers")
+        self.literals.add(t.name)
+        return self._info(t, True, "computed from constants only: XLA folds it into a literal")
 
     # -- the ctx interface for rules --
 
@@ -330,6 +371,8 @@ class _Analysis:
         if t.dtype == tf.resource:
             return self._info(t, False, "resource handle")
         is_output = t.name in self.output_sources
+        if self.constant.get(t.name) and rule.kind not in (Kind.CONSTANT, Kind.STATIC):
+            return self._folded(t)
         if rule.kind is Kind.PARAMETER:
             if op.type == "ReadVariableOp" and not self.readers(t) and not is_output:
                 # (kept live by a control edge only: a read forwarded to the value written before it)
@@ -529,7 +572,7 @@ def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, 
         rule = a.rules.get(a.tensor[src].op.type)
         if rule is not None and rule.kind is Kind.PARAMETER:
             return "parameter"
-        if rule is not None and rule.kind is Kind.CONSTANT:
+        if rule is not None and rule.kind is Kind.CONSTANT or src in a.literals:
             return "constant"
         return "output" if src in a.output_sources else "temp"
 

@@ -25,8 +25,6 @@ from grappler_ext.splitter.search_budget import SearchBudget
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Splitter"]
-
-
 _mb = outcome.megabytes
 
 
@@ -568,9 +566,11 @@ class _Run:
         order = topological_order(graph, live)
         order_index = {op: i for i, op in enumerate(order)}
 
+        literals = {name for b in est.buffers if b.kind == "constant" for name in b.tensors}   # (what XLA folds)
+
         def large(t_):
             return (i := info.get(t_.name)) is not None and i.materialised and i.bytes \
-                and i.bytes > t.min_tensor_fraction * limit
+                and i.bytes > t.min_tensor_fraction * limit and t_.name not in literals
 
         # Large materialised tensors, largest first; each gets at most one loop.
         tensors = sorted((x for op in order if not graph_edit.is_generated(op)

@@ -41,6 +41,8 @@ class Beside:
       hoped: tensors expected to be split by their own loops (left out of what the rest holds).
       backward: the gradient ops inside the function (empty without gradients inside).
       room: ``(bytes, chunk)`` given to a starved gradient loop (see the driver's growth), or zeros.
+      written: XLA's figure for the program as written, where the model cannot estimate it (an op
+        without a byte rule) and it was measured; else ``None``.
     """
 
     est: object
@@ -49,6 +51,7 @@ class Beside:
     hoped: frozenset
     backward: frozenset
     room: tuple[int, int] = (0, 0)
+    written: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +200,10 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         chunk = max(1, int(tuning.best_effort_fraction * fixed / per_unit)) if per_unit else length
         predicted = fixed + chunk * per_unit
         # Only where the model says it at least halves the program (its static part, when shapes
-        # are dynamic): a loop has costs of its own.
+        # are dynamic; XLA's figure as written, where an op without a rule leaves the model no count:
+        # a GP's `tf.linalg.solve`): a loop has costs of its own.
         whole = est.peak_bytes if est.peak_bytes is not None else (
-            None if est.unknown_ops else constant + est.live_peak_bytes)
+            beside.written if est.unknown_ops else constant + est.live_peak_bytes)
         if (chunk >= length or per_unit * length <= tuning.best_effort_fraction * fixed
                 or whole is None or predicted > whole / 2):
             return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (

@@ -48,10 +48,14 @@ class RegionSearch:
         self.grown: dict = {}
         self.root_options: dict = {}               # root -> its options, likewise
         self.pinned = None                         # (sharding.pinned_axes, with the graph as it was)
+        # The program as written where the model has no count of it: XLA's figure if measured, else the
+        # model's lower bound (the largest tensor with the inputs and outputs), for best efforts' gain.
+        self.written = None if est.peak_bytes is not None or est.dynamic_tensors else (
+            run.written_figure if run.written_figure is not None else analysis.floor(est, info))
 
     def beside(self, tensor) -> policy.Beside:
         return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
-                             self.run.grow_room.get(tensor.name, (0, 0)))
+                             self.run.grow_room.get(tensor.name, (0, 0)), self.written)
 
     def split_around(self, tensor) -> set | None:
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""

@@ -74,6 +74,21 @@ class TestPlan:
         tight = policy.plan(options, grown, beside, 10**5, DEFAULT_TUNING)       # the inputs alone are 112 kB
         assert (isinstance(tight, policy.Planned) and tight.best_effort is not None) or tight.code == Code.NO_PLAN
 
+    def test_a_program_the_model_cannot_count_is_weighed_by_its_figure_as_written(self, region):
+        """An op without a byte rule leaves the model no count of the program: a best effort is then
+        weighed against XLA's figure for the program as written (``Beside.written``), as it is against
+        the model's count otherwise, not refused (a GP's loss with ``tf.linalg.solve``, which had no
+        rule, was left as written at 348 MB under a 71 MB limit where the same loss with a Cholesky
+        was split)."""
+        options, grown, beside = region
+        counted = policy.plan(options, grown, beside, 10**5, DEFAULT_TUNING)
+        blind = dataclasses.replace(beside, est=dataclasses.replace(
+            beside.est, peak_bytes=None, unknown_ops=("q (Qr): no rule",)))
+        assert policy.plan(options, grown, blind, 10**5, DEFAULT_TUNING).code == Code.NO_PLAN   # nothing to weigh
+        weighed = policy.plan(options, grown, dataclasses.replace(blind, written=beside.est.peak_bytes), 10**5,
+                              DEFAULT_TUNING)
+        assert weighed.best_effort is not None and weighed.chunks == counted.chunks
+
 
 class TestRank:
     def plan(self, chunk, length=1000, best_effort=None, predicted=10**6):

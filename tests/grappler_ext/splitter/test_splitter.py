@@ -780,6 +780,26 @@ def test_impossible_limit_gets_the_best_effort_and_a_warning():
     assert after < before / 5
 
 
+def test_a_best_effort_where_an_op_has_no_byte_rule():
+    """The same attention beside a QR of a small matrix: ``Qr`` has no byte rule, so the model cannot
+    count the program; its best effort is weighed against the model's lower bound for the program as
+    written instead (before, every best effort was refused for want of a count and the program left
+    as written, a GP's loss with ``tf.linalg.solve`` at 348 MB under 71 MB)."""
+    def fn(q, k, v, w):
+        return attention(q, k, v) + tf.reduce_sum(tf.linalg.qr(w)[1])
+
+    q, k, v = (points(3000, 64, seed=s) for s in range(3))
+    w = points(8, 8, seed=3)
+    expected = tf.function(fn, jit_compile=True)(q, k, v, w)
+    tf_memsafe.enable(2 * 10**6, strict=True)
+    with splitter_only(), pytest.warns(RuntimeWarning, match=r"over its limit of 2\.0 MB"):
+        got = tf.function(fn, jit_compile=True)(q, k, v, w)
+        after = tf_memsafe.memory_footprint(fn, q, k, v, w)
+    assert rewrites() and {r.code for r in rewrites()} == {Code.BEST_EFFORT}
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    assert after < tf_memsafe.memory_footprint(fn, q, k, v, w, rewrite=False) / 5
+
+
 def two_attention_outputs(q, k, v, a, b, c):
     return attention(q, k, v), attention(a, b, c)
 
