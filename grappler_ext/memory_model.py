@@ -77,7 +77,7 @@ from grappler_ext.memory_rules import (  # the public names are re-exported: cal
     reduction_plan,
 )
 from grappler_ext.op_types import ARG_REDUCTIONS, BRANCH_TYPES
-from grappler_ext.xla_facts import MATVEC_FUSION_MAX_BYTES  # re-exported
+from grappler_ext.xla_facts import FOLDED_CONSTANT_MAX_BYTES, MATVEC_FUSION_MAX_BYTES  # the latter re-exported
 
 __all__ = [
     "Kind",
@@ -261,9 +261,10 @@ class _Analysis:
         rather than one value broadcast (a ``Fill``, and elementwise ops and layouts of such).  XLA
         folds them at compile time: one value broadcast stays a broadcast its readers fuse (measured:
         ``x * (tf.ones([n, n]) * 2)`` holds ``x`` and its result only); an array (an iota, a diagonal,
-        a band, a comparison of iotas) becomes a literal of its full size where the program's data
-        meets it (measured: ``x + tf.eye(n)``, ``x * band_part(ones, -1, 0)``, ``x + cast(range[:, None]
-        - range[None])`` each hold an n x n constant beside ``x`` and the result)."""
+        a band, a comparison of iotas) of at most ``FOLDED_CONSTANT_MAX_BYTES`` becomes a literal of its
+        full size where the program's data meets it (measured, n = 1000: ``x + tf.eye(n)``, ``x *
+        band_part(ones, -1, 0)``, ``x + cast(range[:, None] - range[None])`` each hold an n x n constant
+        beside ``x`` and the result; at n = 2000, none)."""
         constant: dict[str, bool] = {}
         for op in self.order:
             rule = self.rules.get(op.type)
@@ -288,6 +289,8 @@ class _Analysis:
             return self._info(t, False, "computed from constants only: folded into the literal its readers make")
         if (_elements(t) or 0) <= 1:
             return self._info(t, False, "scalar computed from constants, folded into its consumers")
+        if (_static_nbytes(t) or 0) > FOLDED_CONSTANT_MAX_BYTES:
+            return self._fuse_or_keep(t.op, t, expensive=False)       # (iotas and compares, not folded)
         self.literals.add(t.name)
         return self._info(t, True, "computed from constants only: XLA folds it into a literal")
 

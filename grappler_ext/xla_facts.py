@@ -13,7 +13,7 @@ import tensorflow as tf
 from grappler_ext import op_types
 
 __all__ = ["FUSED_REDUCTION_MAX", "MATVEC_FUSION_MAX_BYTES", "YNN_REDUCTIONS", "YNN_DTYPES", "YNN_DOT_REDUCTIONS",
-           "CANONICAL_CONVOLUTIONS_TOP_LEVEL_ONLY"]
+           "CANONICAL_CONVOLUTIONS_TOP_LEVEL_ONLY", "FOLDED_CONSTANT_MAX_BYTES"]
 
 # XLA:CPU keeps a reduction over an innermost axis of at most this many elements fused with its
 # elementwise producers (measured on TF 2.21: D = 32 costs |N x M| bytes, D = 33 costs |N x M x D|).
@@ -37,6 +37,13 @@ YNN_DTYPES = frozenset({tf.float32, tf.bfloat16})
 # without ``transpose_b``; with ``transpose_a``, or in float64, the [2000, 2000] product is
 # materialised.  (Min, bfloat16 and batched products were not measured: counted as materialised.)
 YNN_DOT_REDUCTIONS = frozenset({"Sum", "Mean", "Max"})
+
+# An array computed from constants only (``tf.eye(n)``, a band or causal mask) of at most this many
+# bytes is folded into a literal before XLA compiles (TensorFlow's graph constant folding, 10 MiB):
+# the program then holds it whole where its data meets it.  Larger, it stays iotas and compares that
+# its readers fuse.  Measured, ``x + tf.eye(n)``: float32 n = 1619 (10,484,644 B) holds the literal,
+# n = 1620 (10,497,600 B) does not; float64 n = 1100 does, 1200 does not.
+FOLDED_CONSTANT_MAX_BYTES = 10 * 1024 * 1024
 
 # XLA:CPU runs a convolution with Eigen's kernel only where its dimension numbers are canonical
 # (``b01f_01io->b01f``) and canonicalizes (transposes around) only the program's top-level

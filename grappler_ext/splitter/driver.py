@@ -72,7 +72,7 @@ class _Run:
         self.model_after: int | None = None              # the model's count after the latest loop (not a bound)
         self.best_effort_asks = 0                        # XLA's figures asked before best efforts
         self.model_over_xla: float | None = None         # the model's count over XLA's figure when last asked
-        self.within_as_split = None                      # the figure (within) that stopped the plan
+        self.within_as_split = self.in_vain = None       # the figure (within; or in vain) that stopped the plan
         self.warned_figure: int | None = None            # XLA's figure for a plan warned it cannot fit
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
@@ -120,19 +120,17 @@ class _Run:
             self.result.skip([], "no memory limit in bytes", code=Code.NO_LIMIT)
             return self.result
         est, info = memory_model.analyse(self.graph)
-        if est.dynamic_tensors and nominal.dynamic_inputs(self.graph):
-            if any(graph_edit.is_generated(name) for name in est.unknown_ops):
-                # The pipeline's next iteration: planned (and warned about) when its loops were built.
-                self.result.skip([], "dynamic shapes: its loops are already split, planned at a nominal size",
-                                 code=Code.DYNAMIC_SHAPES)
-                return self.result
-            planned = self._run_nominal()
-            if planned is not None:
-                self._warn()
-                return planned
-        result = self._run(est, info)
-        self._warn()
-        return result
+        dynamic = bool(est.dynamic_tensors) and bool(nominal.dynamic_inputs(self.graph))
+        if dynamic and any(graph_edit.is_generated(name) for name in est.unknown_ops):
+            # The pipeline's next iteration: planned (and warned about) when its loops were built.
+            self.result.skip([], "dynamic shapes: its loops are already split, planned at a nominal size",
+                             code=Code.DYNAMIC_SHAPES)
+            return self.result
+        try:
+            return (self._run_nominal() if dynamic else None) or self._run(est, info)
+        finally:
+            for message in dict.fromkeys(self.pending):      # the plan's warnings, each once
+                warn(f"tf_memsafe: {message}", stacklevel=3)  # (pointing at the pipeline that ran the pass)
 
     def _run_nominal(self) -> PassResult | None:
         """The program planned at a nominal size for its dimensions known only at run time
@@ -184,8 +182,7 @@ class _Run:
                                f"time, {where}; the loops take their lengths from the shapes when the function runs"
                                f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",
                            code=Code.DYNAMIC_SHAPES, plan=dataclasses.replace(sized, within=not deferred))
-        result.records.remove(note)
-        result.records.insert(0, note)
+        result.records[:] = [note] + [r for r in result.records if r is not note]
         if deferred:
             for message in said:
                 result.skip([], f"not said when traced, checked at each shape it runs at: {message}",
@@ -196,8 +193,7 @@ class _Run:
 
     def _dispatch(self, result: PassResult) -> int:
         """Each loop that may give way to its region as written at run time (:mod:`.whole_at_run`) does;
-        how many.  Where that fails, the loops stay as built (each runs in one step where the program
-        fits), and ``result`` says why."""
+        how many.  Where that fails, the loops stay as built (each in one step where it fits), said."""
         with graph_edit.some_journal() as journal:
             mark = len(journal)
             try:
@@ -316,11 +312,6 @@ class _Run:
                 "smaller pieces.")
         return result
 
-    def _warn(self) -> None:
-        """The plan's warnings, each once, pointing at the pipeline that ran the pass."""
-        for message in dict.fromkeys(self.pending):
-            warn(f"tf_memsafe: {message}", stacklevel=4)
-
     def _split(self, est, info, limit) -> None:
         """Split the large tensors planning against ``limit`` (:meth:`_planned`); where the limit
         cannot be met, plan again in other ways and keep whichever program is smaller, so that a lower
@@ -385,24 +376,22 @@ class _Run:
                 + ". It will run as well as it can; raise memory_limit.")
 
     def _no_larger_than_written(self, est, info, limit, mark, tried, measured, answers):
-        """A plan over the limit by XLA's figure (``measured``) is kept only where it is smaller than the
-        program as written by XLA's figure (measured now, the plan undone, where not known): else the
-        program is left as written, recorded and said (a GAN's step under a quarter of its 179 MB: seven
-        best efforts, each a loop, to 201 MB).  Returns the plan's records and XLA's figure."""
-        journal = graph_edit.active_journal()
-        written = self.written_figure
-        undone = written is None
-        if undone:
+        """A plan over the limit by XLA's figure (``measured``) is kept only where it is at most
+        ``Tuning.over_gain`` of the program as written by XLA's figure (measured now, the plan undone, where
+        not known): else the program is left as written, recorded and said (a GAN's step under a quarter
+        of its 179 MB: seven best efforts, each a loop, to 201 MB).  Returns the records and XLA's figure."""
+        journal, written = graph_edit.active_journal(), self.written_figure
+        if undone := written is None:
             journal.undo(to=mark)
             written = self.figure().bytes
-        if written is not None and written <= measured:
+        if written is not None and written * self.tuning.over_gain <= measured:
             if not undone:
                 journal.undo(to=mark)
-            left = PassResult(self.name)
-            left.skip([], f"XLA's figure as split, {measured:,} B, is no smaller than as written, {written:,} B: "
+            left, less = PassResult(self.name), f"{1 - self.tuning.over_gain:.0%}"
+            left.skip([], f"XLA's figure as split, {measured:,} B, is not {less} below as written, {written:,} B: "
                           "left as written", code=Code.NO_SMALLER)
             self.pending = [f"`{self.graph.name}` needs {_mb(written)} by XLA's figure as written, over its limit "
-                            f"of {_mb(self.limit)}, and the splitter's best plan for it was no smaller "
+                            f"of {_mb(self.limit)}, and the splitter's best plan for it was not {less} smaller "
                             f"({_mb(measured)}): left as written. It will run as well as it can; raise memory_limit."]
             return left, written
         if undone:                       # the plan again, as built (its figures are known)
@@ -552,6 +541,7 @@ class _Run:
         self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
         self.warned_figure = None
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
+        self.in_vain = None             # XLA's figure that stopped the best efforts (see within_before_best_effort)
         self.model_after, self.split_sizes = None, set()
         live = live_ops(graph)
         # Gradients taken inside the function read the forward tensors; they are differentiated
@@ -590,7 +580,7 @@ class _Run:
             if tensor.op in done or tensor.op not in order_index:
                 continue
             removed = region.split_around(tensor)
-            if self.within_as_split is not None:          # XLA's figure: within, as split so far
+            if self.within_as_split is not None or self.in_vain:    # XLA's figure: within, or best efforts in vain
                 checked = True
                 break
             if removed is None:
@@ -626,6 +616,8 @@ class _Run:
         if worst is not None and needed is not None and needed > limit:
             self._warn_cannot_fit(est, worst, needed, after, limit, result)
             return after, None
+        if self.in_vain:
+            return after, self.in_vain
         if after is None or checked or (trust_model and after < t.check_from * limit) or (
                 self.program_sized and self.program_sized == len(result.rewritten)):
             # Nothing split, measured within the limit already, far below it by the model's count, or
@@ -637,38 +629,44 @@ class _Run:
         return after, figure.bytes
 
     def within_before_best_effort(self, tensor, size: int, result: PassResult) -> bool:
-        """Asked before each best effort of a plan, once loops are built: whether XLA's figure for the
-        program as split so far is within the limit, the model's count notwithstanding; if so the plan
-        stops there, every large tensor left as it is (recorded).  The model's count of a split program
-        runs over XLA's (a padded Transformer step planned at its nominal sizes: 1.9 GB by the model
-        after 11 loops, 630 MB by XLA's figure), and each best effort it then builds is a loop more, a
-        rebuild of the gradients more, and a slower step: five loops along the batch, in slices of one
-        example, in that step.  Each figure is a compile of the whole program: after one over the
-        limit, the next is asked only once the model's count, scaled by its ratio to that figure, is
-        within the limit, and at most ``Tuning.best_effort_checks`` times a plan."""
-        if not result.rewritten or self.best_effort_asks >= self.tuning.best_effort_checks or (
-                self.replayed is None and not self.searching()):
-            return False
-        if self.model_over_xla is not None and (
-                self.model_after is None or self.model_after / self.model_over_xla > self.limit):
+        """Asked before each best effort of a plan: whether the plan stops there, every large tensor left
+        as it is (recorded).  Before the first, nothing built, XLA's figure for the program as written is
+        taken (a plan ending over the limit is weighed against it: :meth:`_no_larger_than_written`).
+        Once loops are built, XLA's figure for the program as split so far: within the limit, the model's
+        count notwithstanding, or over it and not ``Tuning.over_gain`` of the program as written, the
+        plan stops.  The model's count of a split program runs over XLA's (a padded Transformer step at
+        its nominal sizes: 1.9 GB by the model after 11 loops, 630 MB by XLA's figure), and each best
+        effort is a loop, a rebuild of the gradients and a slower step more.  Each figure is a compile
+        of the whole program: after one over the limit, the next is asked only once the model's count,
+        scaled by its ratio to that figure, is within the limit; ``Tuning.best_effort_checks`` at most."""
+        t, written = self.tuning, self.written_figure
+        if not result.rewritten and written is None and self.replayed is None and self.searching():
+            self.written_figure = self.figure().bytes
+        if not result.rewritten or self.best_effort_asks >= t.best_effort_checks or (
+                self.replayed is None and not self.searching()) or (self.model_over_xla is not None and (
+                self.model_after is None or self.model_after / self.model_over_xla > self.limit)):
             return False
         self.best_effort_asks += 1
-        figure = self.figure()
-        if not figure.known:
+        if not (figure := self.figure()).known:
             return False
-        loops = outcome.loops(len(result.rewritten))
-        if figure.bytes > self.limit:
+        shown = f"with {outcome.loops(len(result.rewritten))} built, XLA's figure for the program as split is"
+        if figure.bytes > self.limit and (written is None or written * t.over_gain > figure.bytes):
             self.model_over_xla = (self.model_after / figure.bytes) if self.model_after else None
-            result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is "
-                                     f"{figure.bytes:,} B, over the limit: best efforts go on from "
-                                     f"`{tensor.op.name}` ({size:,} B)",
-                        bytes_before=size, code=Code.BEST_EFFORTS_GO_ON)
+            result.skip([tensor.op], f"{shown} {figure.bytes:,} B, over the limit: best efforts go on from "
+                                     f"`{tensor.op.name}` ({size:,} B)", bytes_before=size,
+                        code=Code.BEST_EFFORTS_GO_ON)
             return False
+        if figure.bytes > self.limit:           # (to be weighed against the program as written)
+            self.in_vain = figure.bytes
+            result.skip([tensor.op], f"{shown} {figure.bytes:,} B, over the limit and not {1 - t.over_gain:.0%} below "
+                                     f"the program as written ({written:,} B): best efforts stop",
+                        bytes_before=size, code=Code.BEST_EFFORTS_IN_VAIN)
+            return True
         self.within_as_split = figure
-        result.skip([tensor.op], f"with {loops} built, XLA's figure for the program as split is {figure.bytes:,} B, "
-                                 f"within the limit: `{tensor.op.name}` ({size:,} B) and the large tensors after it "
-                                 "are left as they are (the memory model's count could only have split them in best "
-                                 "efforts)", bytes_before=size, code=Code.BEST_EFFORTS_STOPPED)
+        result.skip([tensor.op], f"{shown} {figure.bytes:,} B, within the limit: `{tensor.op.name}` ({size:,} B) "
+                                 "and the large tensors after it are left as they are (the memory model's count "
+                                 "could only have split them in best efforts)", bytes_before=size,
+                    code=Code.BEST_EFFORTS_STOPPED)
         return True
 
     def _said_within(self, after, figure, result) -> bool:

@@ -58,6 +58,7 @@ class Code(str, enum.Enum):
     OTHER_SIZES = "other_sizes"              # ... run-time sizes: loops along those not split first, smaller
     BEST_EFFORTS_GO_ON = "best_efforts_go_on"    # before a best effort: XLA's figure as split so far is over
     BEST_EFFORTS_STOPPED = "best_efforts_stopped"  # ... within: the plan stops, the tensors left whole
+    BEST_EFFORTS_IN_VAIN = "best_efforts_in_vain"  # ... over, and not below the program as written: the plan stops
     GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left
     NOT_GROWN = "not_grown"                  # ... or not, and why
     SEARCH_STOPPED = "search_stopped"        # the run's time for planning again spent: the plan so far stands

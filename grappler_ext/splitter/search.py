@@ -48,9 +48,11 @@ class RegionSearch:
         self.grown: dict = {}
         self.root_options: dict = {}               # root -> its options, likewise
         self.pinned = None                         # (sharding.pinned_axes, with the graph as it was)
-        # The program as written where the model has no count of it: XLA's figure if measured, else the
-        # model's lower bound (the largest tensor with the inputs and outputs), for best efforts' gain.
-        self.written = None if est.peak_bytes is not None or est.dynamic_tensors else (
+        # The program as written where the model has no count of it (an op without a rule, not a loop of
+        # an earlier split's: that plan stands): XLA's figure if measured, else the model's lower bound
+        # (the largest tensor with the inputs and outputs), for best efforts' gain.
+        self.written = None if est.peak_bytes is not None or est.dynamic_tensors or any(
+            graph_edit.is_generated(name) for name in est.unknown_ops) else (
             run.written_figure if run.written_figure is not None else analysis.floor(est, info))
 
     def beside(self, tensor) -> policy.Beside:

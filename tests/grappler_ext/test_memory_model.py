@@ -330,6 +330,12 @@ class TestComputedFromConstants:
         g = trace(lambda x: tf.where(tf.range(1000)[:, None] >= tf.range(1000)[None], x, -1e9), SQ)
         assert estimate(g).peak_bytes == 9 * MB and estimate(g).constant_bytes == 1 * MB
 
+    def test_an_array_over_ten_mebibytes_is_not_folded(self):
+        """TensorFlow folds constants of at most 10 MiB: ``x + tf.eye(n)`` at n = 2000 f32 (16 MB) holds x
+        and the sum only (XLA: 32,000,000)."""
+        g = trace(lambda x: x + tf.eye(2000), spec(2000, 2000))
+        assert estimate(g).peak_bytes == 32 * MB and estimate(g).constant_bytes == 0
+
     def test_one_value_broadcast_stays_a_broadcast(self):
         """``x * (tf.ones([n, n]) * 2)``: x and the product only (XLA: 8,000,000)."""
         g = trace(lambda x: x * (tf.ones([1000, 1000]) * 2.0), SQ)
