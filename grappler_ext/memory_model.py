@@ -272,7 +272,9 @@ class _Analysis:
                     Kind.CONSTANT, Kind.LOOP, Kind.BITCAST, Kind.REDUCE, Kind.STATIC):
                 continue
             inputs = self.data_inputs(op)
-            if any(t.name not in constant for t in inputs):
+            # (sizes known only at run time are no constants: a Range over a padded batch's length)
+            shaped = [*op.outputs, *(op.inputs if rule.kind is Kind.STATIC else ())]
+            if any(t.name not in constant for t in inputs) or not all(t.shape.is_fully_defined() for t in shaped):
                 continue
             array = (op.type in _ARRAY_MAKERS or any(constant[t.name] for t in inputs)
                      or (rule.kind is Kind.CONSTANT and (_elements(op.outputs[0]) or 0) > 1))

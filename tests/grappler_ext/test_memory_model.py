@@ -14,6 +14,7 @@ import tensorflow as tf
 from hypothesis import given, settings
 
 import tf_memsafe
+from grappler_ext import shapes
 from grappler_ext.memory_model import RULES, Buffer, Estimate, Kind, Step, annotate, bytes_for_chunk, estimate
 from grappler_ext.printer import graph_fingerprint
 
@@ -335,6 +336,13 @@ class TestComputedFromConstants:
         and the sum only (XLA: 32,000,000)."""
         g = trace(lambda x: x + tf.eye(2000), spec(2000, 2000))
         assert estimate(g).peak_bytes == 32 * MB and estimate(g).constant_bytes == 0
+
+    def test_a_range_over_a_size_known_only_at_run_time_is_no_literal(self):
+        """``tf.range(tf.shape(x)[0])`` of a batch of unknown size, read as 1000 rows by the splitter's
+        planning: computed when the function runs, fused, however large its nominal size."""
+        g = trace(lambda x: x * tf.cast(tf.range(tf.shape(x)[0]), tf.float32)[:, None], spec(None, 3))
+        with shapes.nominal(1000):
+            assert estimate(g).constant_bytes == 0
 
     def test_one_value_broadcast_stays_a_broadcast(self):
         """``x * (tf.ones([n, n]) * 2)``: x and the product only (XLA: 8,000,000)."""
