@@ -168,7 +168,8 @@ class Estimate:
     ``peak_bytes = parameter_bytes + constant_bytes + live_peak_bytes``, or ``None`` when an op
     has no rule or a shape is dynamic (``reason`` says which).  ``live_peak_bytes`` is the peak of
     temporaries, scratch and outputs written so far, live together at ``peak_op``;
-    ``output_bytes`` is the outputs' share of the end state, for information.
+    ``output_bytes`` is the outputs' share of the end state, for information.  ``unknown``: the
+    ``(name, type, why)`` of each op without a rule, which ``unknown_ops`` renders for people.
     """
 
     peak_bytes: int | None
@@ -182,6 +183,7 @@ class Estimate:
     buffers: tuple[Buffer, ...]
     schedule: tuple[Step, ...]
     reason: str = ""
+    unknown: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -653,6 +655,7 @@ def _analyse(graph, rules: Mapping[str, Rule] | None = None) -> tuple[Estimate, 
         live_peak_bytes=live[peak_step],
         peak_op=steps[peak_step].name if steps else None,
         unknown_ops=tuple(_unknown_op(*u) for u in a.unknown),
+        unknown=tuple(a.unknown),
         dynamic_tensors=dynamic,
         buffers=tuple(buffers),
         schedule=schedule,

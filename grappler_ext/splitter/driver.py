@@ -121,7 +121,7 @@ class _Run:
             return self.result
         est, info = memory_model.analyse(self.graph)
         dynamic = bool(est.dynamic_tensors) and bool(nominal.dynamic_inputs(self.graph))
-        if dynamic and any(graph_edit.is_generated(name) for name in est.unknown_ops):
+        if dynamic and analysis.split_before(est):
             # The pipeline's next iteration: planned (and warned about) when its loops were built.
             self.result.skip([], "dynamic shapes: its loops are already split, planned at a nominal size",
                              code=Code.DYNAMIC_SHAPES)
@@ -209,14 +209,14 @@ class _Run:
         result, limit, t = self.result, self.limit, self.tuning
         # Loops of ours in it: the program was checked (and warned about) when they were built,
         # earlier in this pipeline's run; it is not compiled again to be judged.
-        split_before = any(graph_edit.is_generated(name) for name in est.unknown_ops)
+        split_before = analysis.split_before(est)
         if est.dynamic_tensors:
             # The function's own inputs first: what the user chose (a None in an input_signature).
             names = [t.name for t in nominal.dynamic_inputs(self.graph)] or list(est.dynamic_tensors)
             shown = ", ".join(nominal.dimension(self.graph, name) for name in names[:3])
             shown = f"dynamic shapes ({shown}{', ...' if len(names) > 3 else ''})"
             # The static tensors alone (the dynamic ones counted as empty) give a lower bound.
-            at_least = max(analysis.floor(est, info), 0 if est.unknown_ops else
+            at_least = max(analysis.floor(est, info), 0 if est.unknown else
                            est.parameter_bytes + est.constant_bytes + est.live_peak_bytes)
             # Sizes decided inside the program (a sparse update's rows) leave its inputs static: XLA's
             # figure for it then decides, as for a program the model cannot estimate.
@@ -274,7 +274,7 @@ class _Run:
             # terms -- the parameters, the outputs and the largest tensor together -- never a
             # program that may well fit.
             floor = analysis.floor(est, info)
-            ours = bool(est.unknown_ops) and analysis.is_ours(est.unknown_ops)
+            ours = bool(est.unknown) and all(graph_edit.is_generated(name) for name, _, _ in est.unknown)
             # Where the model cannot say (an op without a byte rule: a conditional, ...), XLA's figure
             # decides.
             figure = self.figure() if floor <= limit and not split_before else Figure()

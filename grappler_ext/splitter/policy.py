@@ -203,7 +203,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         # are dynamic; XLA's figure as written, where an op without a rule leaves the model no count:
         # a GP's `tf.linalg.solve`): a loop has costs of its own.
         whole = est.peak_bytes if est.peak_bytes is not None else (
-            beside.written if est.unknown_ops else constant + est.live_peak_bytes)
+            beside.written if est.unknown else constant + est.live_peak_bytes)
         if (chunk >= length or per_unit * length <= tuning.best_effort_fraction * fixed
                 or whole is None or predicted > whole / 2):
             return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (

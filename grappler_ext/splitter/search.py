@@ -51,8 +51,7 @@ class RegionSearch:
         # The program as written where the model has no count of it (an op without a rule, not a loop of
         # an earlier split's: that plan stands): XLA's figure if measured, else the model's lower bound
         # (the largest tensor with the inputs and outputs), for best efforts' gain.
-        self.written = None if est.peak_bytes is not None or est.dynamic_tensors or any(
-            graph_edit.is_generated(name) for name in est.unknown_ops) else (
+        self.written = None if est.peak_bytes is not None or est.dynamic_tensors or analysis.split_before(est) else (
             run.written_figure if run.written_figure is not None else analysis.floor(est, info))
 
     def beside(self, tensor) -> policy.Beside:

@@ -83,7 +83,7 @@ class TestPlan:
         options, grown, beside = region
         counted = policy.plan(options, grown, beside, 10**5, DEFAULT_TUNING)
         blind = dataclasses.replace(beside, est=dataclasses.replace(
-            beside.est, peak_bytes=None, unknown_ops=("q (Qr): no rule",)))
+            beside.est, peak_bytes=None, unknown_ops=("q (Qr): no rule",), unknown=(("q", "Qr", "no rule"),)))
         assert policy.plan(options, grown, blind, 10**5, DEFAULT_TUNING).code == Code.NO_PLAN   # nothing to weigh
         weighed = policy.plan(options, grown, dataclasses.replace(blind, written=beside.est.peak_bytes), 10**5,
                               DEFAULT_TUNING)
