@@ -34,7 +34,7 @@ import tensorflow as tf
 from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
 from grappler_ext.splitter.outcome import Code, NominalSize, megabytes
-from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check
+from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check, tape_check
 from tf_memsafe.errors import RewriteError
 
 __all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
@@ -249,6 +249,8 @@ def transform(graph) -> None:
     report = TraceReport(name, info.xla_compiled, status, reason, opts.memory_limit_bytes, result, before,
                          time.perf_counter() - start)
     _watch_run_time_sizes(graph, opts, report)
+    if info.xla_compiled and opts.memory_limit_bytes and not result.warnings:
+        tape_check.watch(graph, opts.memory_limit_bytes)      # (a tape outside it: its forward and backward)
     _report(report)
 
 
@@ -285,8 +287,14 @@ def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
 
 
 def _check_call(concrete, tensor_inputs):
-    """A call's check (:func:`tf_memsafe.run_check.on_call`), unless the pipeline runs in this thread."""
-    return tensor_inputs if _depth() else run_check.on_call(concrete, tensor_inputs)
+    """A call's checks (:func:`tf_memsafe.tape_check.on_call`, :func:`tf_memsafe.run_check.on_call`), unless
+    the pipeline runs in this thread."""
+    if _depth():
+        return tensor_inputs
+    from tf_memsafe.memory import pair_figures  # memory imports this module (hook.suspended)
+
+    tape_check.on_call(concrete, tensor_inputs, pair_figures)
+    return run_check.on_call(concrete, tensor_inputs)
 
 
 def _model_estimate(graph) -> int | None:

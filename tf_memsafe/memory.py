@@ -501,30 +501,37 @@ def tape_footprint(fn, *args, rewrite: bool = True, **kwargs) -> TapeFootprint:
     with suspend, _tf_internals.traced_as_called():
         concrete = copy.get_concrete_function(*args, **kwargs)
         flat_args = _tf_internals.flat_compile_args(concrete, args, kwargs)
+    try:
+        return pair_figures(concrete, flat_args, getattr(fn, "__name__", fn))
+    except (ValueError, tf.errors.InvalidArgumentError) as e:
+        if "compile-time constant" not in str(e):
+            raise
+        return _tape_footprint_by_running(fn, args, kwargs, rewrite)
+
+
+def pair_figures(concrete, flat_args, name) -> TapeFootprint:
+    """XLA's figures for the forward and backward programs TensorFlow builds for ``concrete`` (a traced
+    function) under one tape outside it, compiled for ``flat_args`` (its own inputs: tensors or specs),
+    neither run.  Raises where the backward takes a resource, or XLA cannot compile one from shapes."""
+    with hook.suspended(), _tf_internals.traced_as_called():
         forward, backward = _tf_internals.tape_functions(concrete)
     # The backward reads forward-graph tensors as captures: compile it on specs of all its inputs.
     backward_inputs = backward.graph.inputs
     resources = [t.name for t in backward_inputs if t.dtype == tf.resource]
     if resources:
-        raise MeasurementError(f"the backward program of {getattr(fn, '__name__', fn)!r} takes resource inputs "
+        raise MeasurementError(f"the backward program of {name!r} takes resource inputs "
                                f"({', '.join(resources)}): its footprint cannot be compiled from shapes alone")
     backward_specs = [tf.TensorSpec(t.shape, t.dtype) for t in backward_inputs]
     sizes = []
-    try:
-        for function, flat, captured in ((forward, flat_args, concrete.captured_inputs),
-                                         (backward, backward_specs, ())):
-            # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's generator)
-            figure = _keyed_figure(function.graph, function.graph.as_graph_def(), [a.shape for a in flat])
-            if figure is not None:
-                sizes.append(figure)
-                continue
-            with _measuring() as folder:
-                _tf_internals.compile_by_name(function.name, flat, captured)
-                sizes.append(_read_total_bytes(folder, function.name))
-    except (ValueError, tf.errors.InvalidArgumentError) as e:
-        if "compile-time constant" not in str(e):
-            raise
-        return _tape_footprint_by_running(fn, args, kwargs, rewrite)
+    for function, flat, captured in ((forward, flat_args, concrete.captured_inputs), (backward, backward_specs, ())):
+        # (a dropout's draw in the forward: measured as a copy that takes nothing from XLA's generator)
+        figure = _keyed_figure(function.graph, function.graph.as_graph_def(), [a.shape for a in flat])
+        if figure is not None:
+            sizes.append(figure)
+            continue
+        with _measuring() as folder:
+            _tf_internals.compile_by_name(function.name, flat, captured)
+            sizes.append(_read_total_bytes(folder, function.name))
     return TapeFootprint(*sizes)
 
 

@@ -1,0 +1,73 @@
+"""tape_check: a function called under a GradientTape outside it runs a forward and a backward of
+TensorFlow's making, which the hook never sees; the first such call checks them against the limit.
+
+A Gaussian mixture's negative log-likelihood, N = 4000 points, K = 16 components, D = 32 (its
+[N, K, D] broadcast is 8.2 MB; 9.0 MB as written by XLA's figure).  Under 3 MB the splitter brings
+the function's own program to 2.6 MB, within, but under a tape its forward keeps what the backward
+reads: 3.7 MB by XLA's figure.  Before, nothing was said.
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_memsafe
+
+N, K, D = 4000, 16, 32
+
+
+@pytest.fixture(scope="module")
+def mixture():
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((N, D)).astype(np.float32))
+    means = tf.Variable(rng.standard_normal((K, D)).astype(np.float32))
+    log_vars = tf.Variable(np.zeros((K, D), np.float32))
+
+    def nll(x):
+        diff = x[:, None, :] - means[None]
+        log_prob = -0.5 * tf.reduce_sum(diff ** 2 * tf.exp(-log_vars)[None] + log_vars[None] + math.log(2 * math.pi),
+                                        -1)
+        return -tf.reduce_mean(tf.reduce_logsumexp(log_prob, axis=1))
+
+    return nll, x, [means, log_vars]
+
+
+def said(caught):
+    return [str(w.message) for w in caught if "GradientTape outside" in str(w.message)]
+
+
+def test_a_forward_kept_for_a_tape_outside_over_the_limit_is_said_once(mixture):
+    nll, x, weights = mixture
+    tf_memsafe.enable(memory_limit="3MB")
+    fn = tf.function(nll, jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(x)                                                      # no tape: its own program, 2.6 MB
+        assert not said(caught) and not caught
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = fn(x)
+            grads = tape.gradient(loss, weights)
+    (message,) = said(caught)
+    assert "`nll` called under a GradientTape outside it runs a forward of 3.7 MB" in message, message
+    assert "over its limit of 3.0 MB" in message and "Take the gradient inside the function" in message
+    tf_memsafe.disable()
+    with tf.GradientTape() as tape:
+        expected = tf.function(nll, jit_compile=True)(x)
+    for got, want in zip(grads, tape.gradient(expected, weights)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pair_within_the_limit_is_not_said(mixture):
+    nll, x, weights = mixture
+    tf_memsafe.enable(memory_limit="5MB")
+    fn = tf.function(nll, jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tf.GradientTape() as tape:
+            loss = fn(x)
+        tape.gradient(loss, weights)
+    assert not said(caught)
