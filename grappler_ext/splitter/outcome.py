@@ -386,11 +386,12 @@ class CannotFit:
         xla = f"{mb(self.figure)} by XLA's figure" if self.figure is not None else ""
         then = (f" ({mb(self.after)} as split{', ' + xla if xla else ''})" if self.after is not None
                 else f" ({xla} as {'split' if self.split else 'written'})" if xla else "")
-        scaled = ("" if self.limit == self.wanted else
-                  f" (the limit of {mb(self.wanted)} scaled to the model's count by XLA's figure)")
+        # (the user's limit first; the one planned against, in the model's units, after it)
+        scaled = ("" if self.limit == self.wanted else f" (planned against {mb(self.limit)}: the memory model counts "
+                  f"this program {self.limit / self.wanted:.2f}x XLA's figure)")
         need = (f"needs {mb(self.needed)} by XLA's figure as written" if self.by == "XLA"
                 else f"needs {self.by} {mb(self.needed)} by the memory model")
-        head = f"`{self.program}` {need}{then}, over its limit of {mb(self.limit)}{scaled}, and {self.what}."
+        head = f"`{self.program}` {need}{then}, over its limit of {mb(self.wanted)}{scaled}, and {self.what}."
         parts = f"arguments and variables {mb(self.arguments)}, results {mb(self.results)}"
         if self.floor > self.wanted:
             return (f"{head} Its arguments and results alone are {mb(self.floor)} ({parts}), over the limit: no "

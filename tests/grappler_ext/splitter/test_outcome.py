@@ -87,6 +87,14 @@ class TestCannotFit:
         said = self.warning(arguments=10 * 10**6, results=10 * 10**6)
         assert "alone" not in said and said.endswith("rewrite that op's input in smaller pieces.")
 
+    def test_the_users_limit_is_said_and_the_scaled_one_planned_against_after_it(self):
+        """A SimCLR step planned against 17.7 MB of a 30 MB limit (the model counting it 0.59x XLA's figure)
+        said "over its limit of 17.7 MB": a limit the user never set."""
+        said = CannotFit("step", 40 * 10**6, "about", 30 * 10**6, 48 * 10**6, 17_700_000, 30 * 10**6,
+                         "it cannot").render()
+        assert "over its limit of 30.0 MB (planned against 17.7 MB: the memory model counts this program 0.59x " \
+               "XLA's figure)" in said, said
+
     def test_a_figure_of_a_program_nothing_was_split_in_is_as_written(self):
         fig = dict(needed=300 * 10**6, by="about", figure=160 * 10**6, limit=10**8, wanted=10**8, what="it cannot")
         assert "(160.0 MB by XLA's figure as written)" in CannotFit("f", after=None, split=False, **fig).render()
