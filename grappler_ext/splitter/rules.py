@@ -687,15 +687,38 @@ def _per_matrix(op, output_index, axis):
     return Propagation((axis,), (axis,))
 
 
-# Diagonal ops, batch axes only: diag_part(x)[s:s+c, ..] = diag_part(x[s:s+c, ..]).  A diagonal
-# axis would need the offset s (diag(d)[s:s+c, :] has its ones shifted by s): refused.
+# Diagonal ops, batch axes: diag_part(x)[s:s+c, ..] = diag_part(x[s:s+c, ..]).
+# A matrix's rows (columns alike) of the main diagonal d (k = 0, ``tf.eye``, ``tf.linalg.diag(d)``):
+#     diag(d)[.., s:s+c, :] = where(s + r == j, d[.., s + r], pad)
+# a compare of indices offset by s, d read whole (the self-pair masks of a SimCLR loss or an N-body
+# step: ``tf.where(tf.eye(n) > 0, 0, x)``).  Other diagonals, and diag_part's axis, are refused.
 @rule("MatrixDiagPartV3", "MatrixDiagV3", "MatrixDiagPart", "MatrixDiag")
 def _matrix_diag(op, output_index, axis):
     batch = op.outputs[0].shape.rank - 2 if op.type in ("MatrixDiagV3", "MatrixDiag") else \
         op.inputs[0].shape.rank - 2
-    if axis >= batch:
-        return Refusal(f"axis {axis} is a diagonal axis of `{op.type}`: only batch axes are split")
-    return Propagation((axis,) + (None,) * (len(op.inputs) - 1), (axis,))
+    if axis < batch:
+        return Propagation((axis,) + (None,) * (len(op.inputs) - 1), (axis,))
+    k = _const(op.inputs[1]) if op.type == "MatrixDiagV3" else 0 if op.type == "MatrixDiag" else None
+    if k is None or np.ndim(k) != 0 or int(k) != 0 or None in _dims(op.outputs[0])[-2:]:
+        return Refusal(f"axis {axis} is a diagonal axis of `{op.type}`: only batch axes, and the rows or columns "
+                       "of a main diagonal's matrix, are split")
+    rows = axis == batch
+    return Propagation((None,) * len(op.inputs), (axis,),
+                       rebuild_at=lambda o, ins, c, s: [_diagonal_slice(o, ins, c, s, rows)])
+
+
+def _diagonal_slice(op, inputs, chunk, offset, rows: bool) -> tf.Tensor:
+    """Rows (or columns) ``offset`` to ``offset + chunk`` of the matrix with ``inputs[0]`` on its main diagonal."""
+    d = inputs[0]
+    pad = inputs[4] if op.type == "MatrixDiagV3" else tf.zeros([], d.dtype)
+    other = _dims(op.outputs[0])[-1 if rows else -2]
+    at = tf.range(chunk, dtype=tf.int64) + tf.cast(offset, tf.int64)                  # the slice's own indices
+    length = tf.cast(tf.shape(d)[-1], tf.int64)
+    value = tf.gather(d, tf.minimum(at, length - 1), axis=-1)                           # [.., c] (past d: masked)
+    equal = at[:, None] == tf.range(other, dtype=tf.int64)[None] if rows else \
+        tf.range(other, dtype=tf.int64)[:, None] == at[None]                          # [c, m] or [m, c]
+    value = value[..., :, None] if rows else value[..., None, :]
+    return tf.where(equal, value, tf.cast(pad, d.dtype))
 
 
 @rule("MatrixBandPart")

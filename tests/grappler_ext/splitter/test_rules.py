@@ -252,10 +252,13 @@ case("MatrixInverse", tf.linalg.inv, [_spd], refused={1: "couples every entry", 
 case("MatrixDiagPartV3", tf.linalg.diag_part, [_data([2, 4, 5], F32)], refused={1: "diagonal axis"})
 case("MatrixDiagPartV3", lambda x: tf.linalg.diag_part(x, k=(-1, 1)), [_data([2, 4, 5], F32)],
      refused={1: "diagonal axis", 2: "diagonal axis"}, id="MatrixDiagPartV3-band")
-case("MatrixDiagV3", tf.linalg.diag, [_data([2, 4], F32)], refused={1: "diagonal axis", 2: "diagonal axis"})
+case("MatrixDiagV3", tf.linalg.diag, [_data([2, 4], F32)])          # rows and columns of the main diagonal's
+case("MatrixDiagV3", lambda x: tf.linalg.diag(x, num_rows=4, num_cols=6, padding_value=-1.0), [_data([2, 4], F32)],
+     id="MatrixDiagV3-wide-padded")
+case("MatrixDiagV3", lambda x: tf.linalg.diag(x, k=1), [_data([2, 4], F32)],
+     refused={1: "diagonal axis", 2: "diagonal axis"}, id="MatrixDiagV3-superdiagonal")
 case("MatrixDiagPart", lambda x: _raw("MatrixDiagPart", x), [_data([2, 3, 4, 4], I32)], refused={2: "diagonal axis"})
-case("MatrixDiag", lambda x: _raw("MatrixDiag", x), [_data([2, 3, 4], I32)],
-     refused={2: "diagonal axis", 3: "diagonal axis"})
+case("MatrixDiag", lambda x: _raw("MatrixDiag", x), [_data([2, 3, 4], I32)])
 
 # Reductions, normalisations, selections: [3, 4, 5].
 for _t, _dt in (("Sum", F32), ("Sum", I32), ("Mean", F32), ("Max", I32), ("Min", F32), ("Prod", I32),
