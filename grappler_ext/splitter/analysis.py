@@ -583,10 +583,8 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     if op not in live:
         # Built by an earlier loop of this plan (its rebuilt gradients): not in the order planned on.
         return Why(Code.REGION_STOPS, f"`{op.name}` was built by an earlier split")
-    kind = rules.leaf_kind(op)
-    if kind is not None:
-        article = "an" if kind[0] in "aeiou" else "a"
-        return Why(Code.REGION_STOPS, f"`{op.name}` is {article} {kind}")
+    if (kind := rules.leaf_kind(op)) is not None:
+        return Why(Code.REGION_STOPS, f"`{op.name}` is {'an' if kind[0] in 'aeiou' else 'a'} {kind}")
     if any(o.ref() in whole for o in op.outputs):
         return Why(Code.REGION_STOPS, f"`{op.name}` is also read whole")
     # (a constant made after it, as a square's gradient makes its 2, orders nothing that matters; nor
@@ -597,9 +595,13 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     for o in op.outputs:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
-        if any(c not in included and c in live and not shape_reader(c) for c in o.consumers()):
+        reader = next((c for c in o.consumers() if c not in included and c in live and not shape_reader(c)), None)
+        if reader is not None:
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
-            return Why(Code.REGION_STOPS, f"{what} is also read outside the region")
+            by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
+                  f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else
+                  f"by `{reader.name}` ({reader.type})")
+            return Why(Code.REGION_STOPS, f"{what} is also read outside the region, {by}")
     return None
 
 

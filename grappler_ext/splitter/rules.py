@@ -72,7 +72,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
-from grappler_ext.op_types import RESERVE_SPACES, reserve_space
+from grappler_ext.op_types import LOOP_TYPES, RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.outcome import Code
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -316,6 +316,9 @@ def propagate(op: tf.Operation, output_index: int, axis: int, reseed: Reseed | N
         return _redraw_keyed(op, axis)
     if is_stateful(op):
         return Refusal(f"cannot split through `{op.type}` ({op.name}): a stateful op would run once per slice")
+    if op.type in LOOP_TYPES and not graph_edit.is_generated(op):
+        return Refusal(f"cannot split through the program's own loop `{op.name}` (a tf.while_loop), which reads "
+                       "it whole at every step")
     if op.type not in RULES:
         return Refusal(f"cannot split through `{op.type}`: no rule")
     if not 0 <= output_index < len(op.outputs):

@@ -89,6 +89,17 @@ class TestGrow:
         assert grown.region.ops == [] and grown.stops[0].code == Code.REGION_STOPS
         assert "read outside the region" in grown.stops[0].text or "output of the function" in grown.stops[0].text
 
+    def test_at_a_tensor_another_op_reads_with_that_op_named(self):
+        """exp(x y^T) is summed by rows and also read by a product outside the region: the reason names
+        the reader (a GCN's reason named only the tensor read)."""
+        def fn(x, y):
+            k = tf.exp(tf.matmul(x, y, transpose_b=True))
+            return tf.reduce_sum(k, 1), tf.matmul(k, y)
+
+        graph, grown = grown_from(fn, "Sum", "concat", X, Y)
+        assert any("is also read outside the region, by `MatMul_1` (MatMul)" in w.text for w in grown.stops), \
+            [w.text for w in grown.stops]
+
     def test_readers_in_ignored_do_not_hold_an_op_back(self):
         """The same returned tensor's other reader ignored (as the gradients inside the function are)."""
         def fn(x, y):

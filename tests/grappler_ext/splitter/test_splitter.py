@@ -923,6 +923,22 @@ class TestMustNotFire:
         (reason,) = self.unchanged(fn, tf.TensorSpec([20000, 3]), tf.TensorSpec([1000, 3]))
         assert self.codes == [Code.WITHIN_LIMIT] and reason.startswith("already within the limit")
 
+    def test_a_tensor_the_programs_own_loop_reads_is_named_with_the_loop(self):
+        """Sinkhorn's iterations in a ``tf.while_loop`` read the kernel matrix exp(-C) whole at every step:
+        its region stops there, and the reason names the loop (it named only the matrix)."""
+        def fn(x, y):
+            k = tf.exp(-sq_dist(x, y))                                                         # [N, M]
+
+            def step(i, u):
+                return i + 1, 1.0 / tf.linalg.matvec(k, 1.0 / (tf.linalg.matvec(k, u, transpose_a=True) + 1e-9))
+
+            return tf.reduce_sum(tf.while_loop(lambda i, u: i < 5, step, (0, tf.ones([3000])))[1])
+
+        with pytest.warns(RuntimeWarning, match="program's own loop `while`"):
+            reasons = self.unchanged(fn, tf.TensorSpec([3000, 3]), tf.TensorSpec([3000, 3]))
+        assert any("the program's own loop `while` (a tf.while_loop), which reads it whole" in r for r in reasons), \
+            reasons
+
     def test_huge_cholesky_warns_with_the_numbers_and_the_op(self):
         fn = lambda x: tf.linalg.cholesky(tf.exp(-sq_dist(x, x)) + 1e-3 * tf.eye(3000))
         with pytest.warns(RuntimeWarning, match=r"needs about 84\.1 MB .* over its limit of 16\.0 MB.*`Cholesky`"):
