@@ -40,25 +40,33 @@ def said(caught):
     return [str(w.message) for w in caught if "GradientTape outside" in str(w.message)]
 
 
+def planned(fn, limit: str):
+    """``fn`` as a jit function traced from now on under ``limit``."""
+    tf_memsafe.enable(memory_limit=limit)
+    return tf.function(fn, jit_compile=True)
+
+
+def under_tape(fn, x, weights):
+    """``fn(x)`` called under a tape outside it, and its gradients with respect to ``weights``."""
+    with tf.GradientTape() as tape:
+        loss = fn(x)
+    return loss, tape.gradient(loss, weights)
+
+
 def test_a_forward_kept_for_a_tape_outside_over_the_limit_is_said_once(mixture):
     nll, x, weights = mixture
-    tf_memsafe.enable(memory_limit="3MB")
-    fn = tf.function(nll, jit_compile=True)
+    fn = planned(nll, "3MB")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn(x)                                                      # no tape: its own program, 2.6 MB
         assert not said(caught) and not caught
         for _ in range(2):
-            with tf.GradientTape() as tape:
-                loss = fn(x)
-            grads = tape.gradient(loss, weights)
+            _, grads = under_tape(fn, x, weights)
     (message,) = said(caught)
     assert "`nll` called under a GradientTape outside it runs a forward of 3.7 MB" in message, message
     assert "over its limit of 3.0 MB" in message and "Take the gradient inside the function" in message
     tf_memsafe.disable()
-    with tf.GradientTape() as tape:
-        expected = tf.function(nll, jit_compile=True)(x)
-    for got, want in zip(grads, tape.gradient(expected, weights)):
+    for got, want in zip(grads, under_tape(tf.function(nll, jit_compile=True), x, weights)[1]):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -67,15 +75,12 @@ def test_the_pair_checked_is_the_pair_tensorflow_runs(mixture):
     one measured (a second pair built beside TensorFlow's appended the side outputs to the function's
     graph again, and the backward run took each twice: 2.93 MB where 2.06 MB)."""
     nll, x, weights = mixture
-    tf_memsafe.enable(memory_limit="3MB")
-    fn = tf.function(nll, jit_compile=True)
+    fn = planned(nll, "3MB")
     fn(x)
     pair = tf_memsafe.tape_footprint(nll, x)
     with warnings.catch_warnings(), xla_flags.dump_all_compiles() as folder:
         warnings.simplefilter("ignore")
-        with tf.GradientTape() as tape:
-            loss = fn(x)
-        tape.gradient(loss, weights)
+        under_tape(fn, x, weights)
         ran = dict(xla_flags.memory_reports(folder))
     (backward,) = [b for name, b in ran.items() if "backward" in name]
     assert backward <= 1.02 * pair.backward, (ran, pair)
@@ -83,11 +88,7 @@ def test_the_pair_checked_is_the_pair_tensorflow_runs(mixture):
 
 def test_a_pair_within_the_limit_is_not_said(mixture):
     nll, x, weights = mixture
-    tf_memsafe.enable(memory_limit="5MB")
-    fn = tf.function(nll, jit_compile=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with tf.GradientTape() as tape:
-            loss = fn(x)
-        tape.gradient(loss, weights)
+        under_tape(planned(nll, "5MB"), x, weights)
     assert not said(caught)
