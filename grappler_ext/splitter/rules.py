@@ -706,22 +706,41 @@ def _matrix_diag(op, output_index, axis):
         return Refusal(f"axis {axis} is a diagonal axis of `{op.type}`: only batch axes, and the rows or columns "
                        "of a main diagonal's matrix, are split")
     rows = axis == batch
-    return Propagation((None,) * len(op.inputs), (axis,),
-                       rebuild_at=lambda o, ins, c, s: [_diagonal_slice(o, ins, c, s, rows)])
+
+    def rebuild_at(o, ins, c, s):
+        pad = ins[4] if o.type == "MatrixDiagV3" else tf.zeros([], ins[0].dtype)
+        return [_with_diagonal(ins[0], tf.cast(pad, ins[0].dtype), c, s, rows, _dims(o.outputs[0])[-1 if rows else -2])]
+
+    return Propagation((None,) * len(op.inputs), (axis,), rebuild_at=rebuild_at)
 
 
-def _diagonal_slice(op, inputs, chunk, offset, rows: bool) -> tf.Tensor:
-    """Rows (or columns) ``offset`` to ``offset + chunk`` of the matrix with ``inputs[0]`` on its main diagonal."""
-    d = inputs[0]
-    pad = inputs[4] if op.type == "MatrixDiagV3" else tf.zeros([], d.dtype)
-    other = _dims(op.outputs[0])[-1 if rows else -2]
+# set_diag(x, d)[.., s:s+c, ..] = set_diag(x[.., s:s+c, ..], d[.., s:s+c, ..])     batch axes
+# set_diag(x, d)[.., s:s+c, :] = where(s + r == j, d[.., s + r], x[.., s:s+c, :])   rows (columns alike) of
+# the main diagonal (k = 0), d read whole: a GP's noise, ``set_diag(K, diag_part(K) + s2)`` (GPflow's own).
+@rule("MatrixSetDiagV3")
+def _matrix_set_diag(op, output_index, axis):
+    batch = op.outputs[0].shape.rank - 2
+    if axis < batch:
+        return Propagation((axis, axis, None), (axis,))
+    k = _const(op.inputs[2])
+    if k is None or np.ndim(k) != 0 or int(k) != 0 or None in _dims(op.outputs[0])[-2:]:
+        return Refusal(f"axis {axis} is a diagonal axis of `{op.type}` off the main diagonal: not split")
+    rows = axis == batch
+    return Propagation((axis, None, None), (axis,), rebuild_at=lambda o, ins, c, s: [
+        _with_diagonal(ins[1], ins[0], c, s, rows, _dims(o.outputs[0])[-1 if rows else -2])])
+
+
+def _with_diagonal(d, fill, chunk, offset, rows: bool, other: int) -> tf.Tensor:
+    """Rows (or columns) ``offset`` to ``offset + chunk`` of a matrix with ``d`` on its main diagonal and
+    ``fill`` elsewhere (a scalar, or the slice of the matrix it is set into); ``other``: the matrix's
+    size along the axis not split."""
     at = tf.range(chunk, dtype=tf.int64) + tf.cast(offset, tf.int64)                  # the slice's own indices
     length = tf.cast(tf.shape(d)[-1], tf.int64)
     value = tf.gather(d, tf.minimum(at, length - 1), axis=-1)                           # [.., c] (past d: masked)
     equal = at[:, None] == tf.range(other, dtype=tf.int64)[None] if rows else \
         tf.range(other, dtype=tf.int64)[:, None] == at[None]                          # [c, m] or [m, c]
     value = value[..., :, None] if rows else value[..., None, :]
-    return tf.where(equal, value, tf.cast(pad, d.dtype))
+    return tf.where(equal, value, fill)
 
 
 @rule("MatrixBandPart")

@@ -257,6 +257,9 @@ case("MatrixDiagV3", lambda x: tf.linalg.diag(x, num_rows=4, num_cols=6, padding
      id="MatrixDiagV3-wide-padded")
 case("MatrixDiagV3", lambda x: tf.linalg.diag(x, k=1), [_data([2, 4], F32)],
      refused={1: "diagonal axis", 2: "diagonal axis"}, id="MatrixDiagV3-superdiagonal")
+case("MatrixSetDiagV3", tf.linalg.set_diag, [_data([2, 4, 6], F32), _data([2, 4], F32, 1)])
+case("MatrixSetDiagV3", lambda x, d: tf.linalg.set_diag(x, d, k=1), [_data([2, 4, 6], F32), _data([2, 4], F32, 1)],
+     refused={1: "off the main diagonal", 2: "off the main diagonal"}, id="MatrixSetDiagV3-superdiagonal")
 case("MatrixDiagPart", lambda x: _raw("MatrixDiagPart", x), [_data([2, 3, 4, 4], I32)], refused={2: "diagonal axis"})
 case("MatrixDiag", lambda x: _raw("MatrixDiag", x), [_data([2, 3, 4], I32)])
 
