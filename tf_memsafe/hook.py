@@ -291,9 +291,7 @@ def _check_call(concrete, tensor_inputs):
     the pipeline runs in this thread."""
     if _depth():
         return tensor_inputs
-    from tf_memsafe.memory import pair_figures  # memory imports this module (hook.suspended)
-
-    tape_check.on_call(concrete, tensor_inputs, pair_figures)
+    tape_check.on_call(concrete, tensor_inputs)
     return run_check.on_call(concrete, tensor_inputs)
 
 

@@ -5,7 +5,7 @@ making from the trace tf_memsafe rewrote: a forward that also returns what the g
 and the backward.  Neither passes through the hook (TensorFlow builds them at the call), and the
 forward holds more than the function's own program: what the backward reads, kept to the end.  A
 function whose own program is within its limit may so run over it (measured: a Gaussian mixture's
-negative log-likelihood within 12 MB as traced ran a 19.0 MB forward and a 12.6 MB backward).
+negative log-likelihood within 12 MB as traced ran a 19.0 MB forward).
 
 So the first eager call of a function the hook planned under a limit (and did not warn about) that a
 tape may record compiles that pair -- both, neither run, as :func:`tf_memsafe.tape_footprint` does --
@@ -33,23 +33,23 @@ def watch(graph, limit: int) -> None:
     setattr(graph, TAPE_ATTR, limit)
 
 
-def on_call(concrete, tensor_inputs, measure) -> None:
-    """Check this call of ``concrete`` if it is the first a tape may record (``measure(concrete, inputs,
-    name)``: the pair's :class:`~tf_memsafe.memory.TapeFootprint`); warn once where it is over."""
+def on_call(concrete, tensor_inputs) -> None:
+    """Check this call of ``concrete`` if it is the first a tape records; warn once where it is over.
+    (Every call of a traced function passes here: nothing but an attribute is read until then.)"""
     graph = getattr(concrete, "graph", None)
     limit = getattr(graph, TAPE_ATTR, None)
     if limit is None or not tf.executing_eagerly() or not _recording(concrete, tensor_inputs):
         return
     setattr(graph, TAPE_ATTR, None)                     # (once, whatever comes of it)
-    name = getattr(concrete, "name", graph.name)
-    name = name.decode() if isinstance(name, bytes) else name
+    from tf_memsafe.memory import pair_figures  # memory imports the hook, which imports this module
+
+    shown = graph.name.removeprefix("__inference_").rsplit("_", 1)[0] or graph.name
     try:
-        pair = measure(concrete, list(tensor_inputs), name)
+        pair = pair_figures(concrete, list(tensor_inputs), shown)
     except Exception:  # noqa: BLE001 - a program XLA cannot compile from shapes: not said either way
         return
     if max(pair.forward, pair.backward) <= limit:
         return
-    shown = graph.name.removeprefix("__inference_").rsplit("_", 1)[0] or graph.name
     warnings.warn(
         f"tf_memsafe: `{shown}` called under a GradientTape outside it runs a forward of "
         f"{megabytes(pair.forward)} and a backward of {megabytes(pair.backward)} by XLA's figures, over its "

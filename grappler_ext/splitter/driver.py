@@ -19,7 +19,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, outcome, rules, search, whole_at_run
+from grappler_ext.splitter import analysis, mechanism, nominal, outcome, policy, rules, search, whole_at_run
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize
 from grappler_ext.splitter.search_budget import SearchBudget
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
@@ -384,7 +384,7 @@ class _Run:
         if undone := written is None:
             journal.undo(to=mark)
             written = self.figure().bytes
-        if written is not None and written * self.tuning.over_gain <= measured:
+        if written is not None and not policy.saves_enough(measured, written, self.tuning):
             if not undone:
                 journal.undo(to=mark)
             left, less = PassResult(self.name), f"{1 - self.tuning.over_gain:.0%}"
@@ -650,7 +650,7 @@ class _Run:
         if not (figure := self.figure()).known:
             return False
         shown = f"with {outcome.loops(len(result.rewritten))} built, XLA's figure for the program as split is"
-        if figure.bytes > self.limit and (written is None or written * t.over_gain > figure.bytes):
+        if figure.bytes > self.limit and (written is None or policy.saves_enough(figure.bytes, written, t)):
             self.model_over_xla = (self.model_after / figure.bytes) if self.model_after else None
             result.skip([tensor.op], f"{shown} {figure.bytes:,} B, over the limit: best efforts go on from "
                                      f"`{tensor.op.name}` ({size:,} B)", bytes_before=size,

@@ -28,7 +28,7 @@ from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
 from grappler_ext.splitter.tuning import Tuning
 
 __all__ = ["Beside", "Planned", "Sized", "plan", "rank", "leaves", "reaches_on", "calibrated", "capped",
-           "split_anyway", "at_least", "starved", "fused_grown", "nested_plan"]
+           "split_anyway", "at_least", "starved", "fused_grown", "nested_plan", "saves_enough"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,8 @@ class Beside:
       hoped: tensors expected to be split by their own loops (left out of what the rest holds).
       backward: the gradient ops inside the function (empty without gradients inside).
       room: ``(bytes, chunk)`` given to a starved gradient loop (see the driver's growth), or zeros.
-      written: XLA's figure for the program as written, where the model cannot estimate it (an op
-        without a byte rule) and it was measured; else ``None``.
+      written: where the model cannot estimate the program (an op without a byte rule), XLA's figure
+        for it as written if measured, else the model's lower bound for it; else ``None``.
     """
 
     est: object
@@ -226,6 +226,12 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         # The gradients inside the function run this backward: say the step cannot fit.
         best_effort = BestEffort(fixed_backward, by_backward=True)
     return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort)
+
+
+def saves_enough(figure: int, written: int, tuning: Tuning) -> bool:
+    """Whether a plan XLA's figure puts at ``figure`` (over the limit) saves enough of the program as
+    written (``written``) to be worth its loops: at most ``Tuning.over_gain`` of it."""
+    return figure < written * tuning.over_gain
 
 
 def rank(planned: Planned, options, held: int, budget: int, tuning: Tuning, region=None,

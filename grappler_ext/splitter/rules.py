@@ -702,16 +702,11 @@ def _matrix_diag(op, output_index, axis):
     if axis < batch:
         return Propagation((axis,) + (None,) * (len(op.inputs) - 1), (axis,))
     k = _const(op.inputs[1]) if op.type == "MatrixDiagV3" else 0 if op.type == "MatrixDiag" else None
-    if k is None or np.ndim(k) != 0 or int(k) != 0 or None in _dims(op.outputs[0])[-2:]:
+    if not _main_diagonal(op, k):
         return Refusal(f"axis {axis} is a diagonal axis of `{op.type}`: only batch axes, and the rows or columns "
                        "of a main diagonal's matrix, are split")
-    rows = axis == batch
-
-    def rebuild_at(o, ins, c, s):
-        pad = ins[4] if o.type == "MatrixDiagV3" else tf.zeros([], ins[0].dtype)
-        return [_with_diagonal(ins[0], tf.cast(pad, ins[0].dtype), c, s, rows, _dims(o.outputs[0])[-1 if rows else -2])]
-
-    return Propagation((None,) * len(op.inputs), (axis,), rebuild_at=rebuild_at)
+    return _diagonal_slices(op, axis, (None,) * len(op.inputs), lambda o, ins: (ins[0], tf.cast(
+        ins[4] if o.type == "MatrixDiagV3" else tf.zeros([], ins[0].dtype), ins[0].dtype)))
 
 
 # set_diag(x, d)[.., s:s+c, ..] = set_diag(x[.., s:s+c, ..], d[.., s:s+c, ..])     batch axes
@@ -722,12 +717,24 @@ def _matrix_set_diag(op, output_index, axis):
     batch = op.outputs[0].shape.rank - 2
     if axis < batch:
         return Propagation((axis, axis, None), (axis,))
-    k = _const(op.inputs[2])
-    if k is None or np.ndim(k) != 0 or int(k) != 0 or None in _dims(op.outputs[0])[-2:]:
+    if not _main_diagonal(op, _const(op.inputs[2])):
         return Refusal(f"axis {axis} is a diagonal axis of `{op.type}` off the main diagonal: not split")
-    rows = axis == batch
-    return Propagation((axis, None, None), (axis,), rebuild_at=lambda o, ins, c, s: [
-        _with_diagonal(ins[1], ins[0], c, s, rows, _dims(o.outputs[0])[-1 if rows else -2])])
+    return _diagonal_slices(op, axis, (axis, None, None), lambda o, ins: (ins[1], ins[0]))
+
+
+def _main_diagonal(op, k) -> bool:
+    """Whether ``k`` (a diagonal op's constant offset, or ``None``) is the main diagonal's, 0, of a
+    matrix whose two axes are static."""
+    return k is not None and np.ndim(k) == 0 and int(k) == 0 and None not in _dims(op.outputs[0])[-2:]
+
+
+def _diagonal_slices(op, axis: int, input_axes, parts) -> Propagation:
+    """The split of a main diagonal's matrix along its rows or columns (``axis``): each slice made by
+    :func:`_with_diagonal` from ``parts(op, rebuilt inputs) -> (diagonal, fill)``."""
+    rows = axis == op.outputs[0].shape.rank - 2
+    other = _dims(op.outputs[0])[-1 if rows else -2]
+    return Propagation(input_axes, (axis,), rebuild_at=lambda o, ins, c, s: [
+        _with_diagonal(*parts(o, ins), c, s, rows, other)])
 
 
 def _with_diagonal(d, fill, chunk, offset, rows: bool, other: int) -> tf.Tensor:
