@@ -596,7 +596,7 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
         reader = next((c for c in o.consumers() if c not in included and c in live and not shape_reader(c)), None)
-        if reader is not None:
+        if reader is not None and not rules.recomputed(op):
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
                   f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else

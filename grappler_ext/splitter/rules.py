@@ -266,6 +266,20 @@ def is_stateful(op: tf.Operation) -> bool:
     return op.type in STATEFUL_TYPES or bool(getattr(op, "_is_stateful", False))
 
 
+# Elementwise ops a region computes again where they are read outside it too (:func:`recomputed`).
+RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE
+
+
+def recomputed(op: tf.Operation) -> bool:
+    """Whether a region computes its own slices of ``op``, an elementwise op that something outside
+    the region reads too, the op itself staying for those readers (a PCA's centred data ``x - mean``,
+    read by the covariance and again by the scores).  No input may be larger than its output, so that
+    what the loop then holds instead of ``op``'s output is no more than that output."""
+    out = op.outputs[0] if len(op.outputs) == 1 else None
+    return (op.type in RECOMPUTED and out is not None and not is_stateful(op) and op_types.nbytes(out) > 0
+            and all(op_types.nbytes(x) <= op_types.nbytes(out) for x in op.inputs))
+
+
 def _dynamic_tensor(op: tf.Operation) -> str | None:
     """A description of the first input or output of ``op`` whose shape is not fully defined (an
     opaque reserve space aside)."""
