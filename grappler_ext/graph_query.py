@@ -18,7 +18,9 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
-__all__ = ["VerificationError", "live_ops", "kept_ops", "topological_order", "ancestors", "ancestor_ops"]
+from grappler_ext.op_types import PASS_THROUGH
+
+__all__ = ["VerificationError", "live_ops", "kept_ops", "topological_order", "ancestors", "ancestor_ops", "returned"]
 
 
 class VerificationError(AssertionError):
@@ -119,3 +121,10 @@ def ancestor_ops(ops: Iterable[tf.Operation], stop: set | None = None) -> set[tf
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return seen
+
+
+def returned(t: tf.Tensor, graph_outputs: set) -> bool:
+    """Whether the function whose outputs' refs are ``graph_outputs`` returns ``t``, or it through ops
+    that only pass it on: its whole value is made."""
+    return t.ref() in graph_outputs or any(c.type in PASS_THROUGH and returned(c.outputs[0], graph_outputs)
+                                           for c in t.consumers() if c.outputs)

@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from grappler_ext import folding, graph_edit, memory_model, shapes
-from grappler_ext.graph_query import ancestors, live_ops
+from grappler_ext.graph_query import ancestors, live_ops, returned
 from grappler_ext.op_types import (
     ARG_REDUCTIONS,
     BRANCH_TYPES,
@@ -596,7 +596,7 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
         reader = next((c for c in o.consumers() if c not in included and c in live and not shape_reader(c)), None)
-        if reader is not None and not rules.recomputed(op):
+        if reader is not None and (not rules.recomputed(op) or returned(o, graph_outputs)):
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
                   f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else

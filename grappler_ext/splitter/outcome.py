@@ -140,17 +140,19 @@ class Sizing(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class BestEffort:
     """The limit cannot be met by a loop: the bytes it still needs (forward) or that stay while its
-    backward runs (``by_backward``), and where the region stops, if it stops early."""
+    backward runs (``by_backward``), and where the region stops, if it stops early, or what the rest of
+    the program holds beside the loop (``beside``), where that alone is over the limit."""
 
     needed_bytes: int
     by_backward: bool = False
     stop: str = ""
+    beside: str = ""
 
     def render(self) -> str:
         if self.by_backward:
             return (f"best effort, the limit cannot be met by the backward ({self.needed_bytes:,} B stay while it "
                     "runs: the region's inputs and their gradients)")
-        stop = f"; the region stops where {self.stop}" if self.stop else ""
+        stop = f"; {self.beside}" if self.beside else f"; the region stops where {self.stop}" if self.stop else ""
         # (the model's count: XLA's figure for the program as split, recorded after, has the last word)
         return (f"best effort, the limit cannot be met ({self.needed_bytes:,} B needed by the memory model's "
                 f"count{stop})")

@@ -113,6 +113,16 @@ def background(beside: Beside, at: list[int], grown: Grown) -> int:
     return most
 
 
+def largest_beside(beside: Beside, at: list[int], grown: Grown):
+    """The largest buffer of the model's (not a parameter nor a constant) live over the schedule steps
+    ``at`` that is none of the region's tensors, or ``None``."""
+    gone = {o.name for op in grown.included for o in op.outputs}
+    live = [b for b in beside.est.buffers if at and b.kind not in ("parameter", "constant")
+            and b.first_step <= max(at) and b.last_step >= min(at)
+            and not ({b.name, b.name.removesuffix(" (scratch)") + ":0", *b.tensors} & gone)]
+    return max(live, key=lambda b: b.bytes, default=None)
+
+
 def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
          measured: float | None = None, large_joins: bool = False) -> Planned | Why:
     """The forward plan, the backward's chunk, a best effort and the bytes a unit of the split axis
@@ -194,7 +204,11 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     chunks = chunk_plan.plan_chunks(length, per_unit, fixed, budget)
     best_effort = None
     if not chunks:
-        stop = grown.stops[0].text if grown.stops else ""
+        stop, held = grown.stops[0].text if grown.stops else "", None
+        if fixed > budget and 2 * others > fixed and (held := largest_beside(beside, forward_steps, grown)):
+            # (what the loop cannot shrink: the rest of the program, not where the region stops)
+            held = (f"the rest of the program holds {others:,} B while it runs, the largest `{held.name}` "
+                    f"({held.bytes:,} B)")
         # The limit cannot be met: still shrink the region until it is a small part of what
         # must stay (best_effort_fraction of the fixed bytes), unless that gains nothing.
         chunk = max(1, int(tuning.best_effort_fraction * fixed / per_unit)) if per_unit else length
@@ -209,7 +223,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
             return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (
                 f"; the region stops where {stop}" if stop else ""))
         chunks = ChunkPlan(length, chunk, int(predicted))
-        best_effort = BestEffort(chunks.predicted_bytes, stop=stop)
+        best_effort = BestEffort(chunks.predicted_bytes, stop=stop, beside=held or "")
     k = top_k(options)
     chunk = at_least(chunks.chunk, length, k)
     if chunk is None:

@@ -268,16 +268,20 @@ def is_stateful(op: tf.Operation) -> bool:
 
 # Elementwise ops a region computes again where they are read outside it too (:func:`recomputed`).
 RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE
+_ALWAYS_HELD = frozenset({"Placeholder", "ReadVariableOp", "Const"})
 
 
-def recomputed(op: tf.Operation) -> bool:
-    """Whether a region computes its own slices of ``op``, an elementwise op that something outside
-    the region reads too, the op itself staying for those readers (a PCA's centred data ``x - mean``,
-    read by the covariance and again by the scores).  No input may be larger than its output, so that
-    what the loop then holds instead of ``op``'s output is no more than that output."""
+def recomputed(op: tf.Operation, depth: int = 4) -> bool:
+    """Whether a region computes its own slices of ``op``, which something outside it reads too (the op
+    itself staying for those readers): an elementwise op of the program's inputs, variables and
+    constants, of operands an eighth its size or less (broadcast), or of such ops (a PCA's centred data
+    ``x - mean``, read by the covariance and again by the scores after ``eigh``).  Its slices then
+    hold nothing the program does not hold anyway."""
     out = op.outputs[0] if len(op.outputs) == 1 else None
-    return (op.type in RECOMPUTED and out is not None and not is_stateful(op) and op_types.nbytes(out) > 0
-            and all(op_types.nbytes(x) <= op_types.nbytes(out) for x in op.inputs))
+    if op.type not in RECOMPUTED or out is None or is_stateful(op) or op.control_inputs or not op_types.nbytes(out):
+        return False
+    return all(op_types.nbytes(x) * 8 <= op_types.nbytes(out) or x.op.type in _ALWAYS_HELD
+               or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
 
 
 def _dynamic_tensor(op: tf.Operation) -> str | None:

@@ -44,6 +44,7 @@ class RegionSearch:
         self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
         self.reseed = rules.Reseed() if run.options.redraw_random else None
         self.nestable: Candidate | None = None     # the best-ranked best effort whose attention can be nested
+        self.found: list[Candidate] = []           # every plan best_root found for the tensor split now
         # Regions grown, by their options, since the last loop was built (see grown_for)
         self.grown: dict = {}
         self.root_options: dict = {}               # root -> its options, likewise
@@ -61,7 +62,7 @@ class RegionSearch:
     def split_around(self, tensor) -> set | None:
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
         run, t, info, reasons, beside = self.run, self.tuning, self.info, [], self.beside(tensor)
-        self.nestable = None
+        self.nestable, self.found = None, []
         near = analysis.downstream(tensor.op, self.order_index, t.root_depth)
         candidates = [[option] for root in near for option in self.options_of(root)]
         candidates += analysis.together(tensor, self.order_index, self.graph_outputs, self.backward)
@@ -78,6 +79,7 @@ class RegionSearch:
             wider = self.best_root(far, tensor, beside, reasons)
             if wider is not None and (best is None or wider.key < best.key):
                 best = wider
+        best = self.widest(best)
         if best is not None and best.planned.chunks.splits:
             best = self.reaching_on(best, tensor, beside, reasons)
         if best is not None and best.planned.best_effort is not None and self.nestable is not None:
@@ -86,8 +88,10 @@ class RegionSearch:
             best = self.nested(best._replace(nest=own) if own else self.nestable, best, beside) or best
         size = info[tensor.name].bytes
         if best is None:
-            why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
-                   else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
+            # (a mesh's axis first; then a loop refused only for the size of its joined result, which
+            # the splitter plans again with where the limit is not met)
+            why = (min(reasons, key=lambda r: (r.code != Code.SHARDED_AXIS, r.code != Code.JOINED_TOO_LARGE))
+                   if reasons else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
             self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
                              bytes_before=size, code=why.code)
             return None
@@ -233,7 +237,7 @@ class RegionSearch:
     def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> Candidate | None:
         """The best plan among ``candidates`` (lists of root options split together) whose region
         takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
-        t, best = self.tuning, None
+        t, best, found = self.tuning, None, []
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
             ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
@@ -265,11 +269,24 @@ class RegionSearch:
             key = (avoided,) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
+            found.append(Candidate(key, options, grown, planned, remat))
             if best is None or key < best.key:
-                best = Candidate(key, options, grown, planned, remat)
+                best = found[-1]
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
                 self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
+        self.found += found
         return best
+
+    def widest(self, best: Candidate | None) -> Candidate | None:
+        """``best``, or where it is a best effort, the plan found for the same tensor that takes in every
+        op it does and more, needing at most ``Tuning.reach_on_margin`` more by the model: one loop
+        where there would be several (a kernel ridge's predictive mean and variance over the test
+        points' kernel rows: the mean's loop alone leaves the rows whole for the variance)."""
+        if best is None or best.planned.best_effort is None:
+            return best
+        wider = [c for c in self.found if c.key[0] == best.key[0] and c.grown.included > best.grown.included
+                 and policy.reaches_on(best.planned, c.planned, self.tuning, 0)]
+        return max(wider, key=lambda c: (len(c.grown.included), tuple(-k for k in c.key)), default=best)
 
     def options_of(self, root) -> list:
         """:func:`.analysis.root_options` of ``root``, made once until a loop is built (see :meth:`grown_for`)."""

@@ -286,3 +286,29 @@ def test_a_loop_writing_in_place_takes_a_chunk_that_divides_its_length():
     assert without_tail(ChunkPlan(10000, 780, 1), 1.0).chunk == 625
     assert without_tail(ChunkPlan(10007, 780, 1), 1.0).chunk == 780            # a prime: the remainder stays
     assert without_tail(ChunkPlan(4096, 512, 1), 1.0).chunk == 512
+
+
+def test_a_best_effort_names_what_the_rest_of_the_program_holds_beside_it():
+    """A 16 MB product made before the kernel sum (its points are shifted by its trace) and read after it
+    is beside the loop whatever its chunk: a best effort says so, naming that product, not where the
+    region stops (a kernel ridge's warning named its test points, where the factor beside its loop was
+    what stayed over the limit)."""
+    def kernel_sum_beside(x, y, z):
+        held = tf.matmul(z, z, transpose_b=True)
+        return kernel_sum(x + 1e-9 * tf.linalg.trace(held), y) + tf.reduce_sum(tf.cos(held))
+
+    graph = tf.function(kernel_sum_beside, jit_compile=True).get_concrete_function(
+        tf.TensorSpec([N, 3], tf.float64), tf.TensorSpec([M, 3], tf.float64),
+        tf.TensorSpec([1414, 8], tf.float64)).graph
+    order_index = {op: i for i, op in enumerate(topological_order(graph))}
+    est, info = memory_model.analyse(graph)
+    root = graph.get_operation_by_name("Sum_1")
+    grown = analysis.grow([o for o in analysis.root_options(root) if o.kind == "concat"],
+                          {t.ref() for t in graph.outputs}, order_index)
+    beside = policy.Beside(est, info, {s.op: i for i, s in enumerate(est.schedule)}, frozenset(), frozenset(),
+                           written=est.peak_bytes)
+    planned = policy.plan([o for o in analysis.root_options(root) if o.kind == "concat"], grown, beside,
+                          12 * 10**6, DEFAULT_TUNING)
+    assert planned.best_effort is not None, planned
+    assert "the rest of the program holds" in planned.best_effort.render(), planned.best_effort.render()
+    assert "the largest `MatMul:0` (15,995,168 B)" in planned.best_effort.render()

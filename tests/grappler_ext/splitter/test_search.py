@@ -20,7 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe
-from grappler_ext.splitter import DEFAULT_TUNING, Tuning, analysis, search
+from grappler_ext.splitter import DEFAULT_TUNING, Tuning, analysis, outcome, policy, search
+from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import Code
 from tf_memsafe import hook
 
@@ -117,3 +118,28 @@ def test_its_inputs_and_outputs_leave_room_at_the_nominal_size():
     for n in (1, 7, 280):
         xs = x[:n]
         np.testing.assert_allclose(f(xs), naive(xs), rtol=1e-4, atol=1e-5, err_msg=f"batch of {n}")
+
+
+def _candidate(ops: set, predicted: int, best_effort: bool = True) -> search.Candidate:
+    """A plan over ``ops`` (the region's included ops) at ``predicted`` bytes, a best effort or not."""
+    chunks = ChunkPlan(100, 10, predicted)
+    planned = policy.Planned(chunks, 10, 1.0, 1.0, outcome.BestEffort(predicted) if best_effort else None)
+    key = (False, best_effort, False, predicted, 10)
+    return search.Candidate(key, [], analysis.Grown(None, set(ops), []), planned, False)
+
+
+def test_a_best_effort_taking_in_more_for_about_the_same_bytes_is_the_plan():
+    """A kernel ridge's predictive mean alone and its mean and variance together are both best efforts,
+    needing about the same by the model (70.67 and 70.74 MB): the loop of both is the plan, not the
+    mean's, which leaves the test points' kernel rows whole for the variance (184 MB as written went to
+    184 MB with the mean's loop, and 151 MB with both).  Needing more than ``reach_on_margin`` more,
+    or not taking in every op, it is not."""
+    mean = _candidate({"ks", "mean"}, 70_670_400)
+    both = _candidate({"ks", "mean", "solve", "var"}, 70_740_371)
+    other = _candidate({"solve", "var", "x"}, 70_700_000)               # not all of the mean's ops
+    costly = _candidate({"ks", "mean", "solve", "var", "more"}, 80_000_000)
+    runner = collections.namedtuple("Runner", "found tuning")
+    assert search.RegionSearch.widest(runner([mean, both, other, costly], DEFAULT_TUNING), mean) is both
+    assert search.RegionSearch.widest(runner([mean, other, costly], DEFAULT_TUNING), mean) is mean
+    within = _candidate({"ks", "mean"}, 60_000_000, best_effort=False)     # a plan within the limit stands
+    assert search.RegionSearch.widest(runner([within, both], DEFAULT_TUNING), within) is within
