@@ -38,7 +38,7 @@ from grappler_ext.op_types import (
     reserve_space,
     static_shape_reader,
 )
-from grappler_ext.splitter import rules, scaling, sharding
+from grappler_ext.splitter import lengths, rules, scaling, sharding
 from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
 from grappler_ext.splitter.loop import Region, external_inputs
 from grappler_ext.splitter.outcome import Code, RootSplit, Why
@@ -209,12 +209,13 @@ class Grown:
 
 
 def grow(options: list[RootOption], graph_outputs: set, order_index: dict, ignored: frozenset = frozenset(),
-         reseed: rules.Reseed | None = None, pinned=None) -> Grown | Why:
+         reseed: rules.Reseed | None = None, pinned=None, built: set = frozenset()) -> Grown | Why:
     """The region for ``options`` (one or more roots split together): ops carrying the split axis
     whose readers are all in the region; random draws in it drawn again by slice, keyed by
     ``reseed``, if given (``Options.redraw_random``).  Readers in ``ignored`` (the gradients inside
     the function, rebuilt after a split) do not hold an op back.  No input is sliced along an axis
-    ``pinned`` holds (:func:`.sharding.pinned_axes`: a device mesh shards it)."""
+    ``pinned`` holds (:func:`.sharding.pinned_axes`: a device mesh shards it).  A draw an earlier loop
+    reads (of the ops the splits ``built``, see :func:`forget_dead`) is never drawn again."""
     roots = {o.root for o in options} | {op for o in options for op in o.absorbed}
     joined_roots = {o.root: o for o in options if o.kind == "concat" and o.propagation is not None}
     read_in_slice: set = set()     # concat roots the region also reads, slice by slice
@@ -228,6 +229,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict, ignor
     sliced_inputs: dict = {}
     factor_of: dict = {}           # (op, output index) -> where the roots' axis lies in its axis
     stops: list = []
+    cloned: set = set()            # ops computed again in the region, kept for readers outside it
     length = _UNSET                # the split axis' length: an int, or None where it is known at run time
 
     def request(t: tf.Tensor, axis: int | None, factor: Factor = UNIT):
@@ -286,7 +288,7 @@ def grow(options: list[RootOption], graph_outputs: set, order_index: dict, ignor
             read_in_slice.add(op)
             input_axes[op], rebuild[op] = joined.input_axes, joined.propagation.build
             continue
-        stop = _outside(op, wanted, whole, included | ignored, graph_outputs, order_index)
+        stop = _outside(op, wanted, whole, (included - cloned) | ignored, graph_outputs, order_index, cloned, built)
         prop = None
         if stop is None:
             k0, axes0 = next(iter(wanted.items()))
@@ -431,9 +433,6 @@ def _dynamic_dims(options, sliced_inputs: dict, whole: set, dynamic: bool, facto
     return None
 
 
-_INPUT = "(the function's inputs)"
-
-
 def creates_variables(graph) -> bool:
     """Whether ``graph`` is the trace that creates its function's variables (a Keras optimizer's slots
     at the first step): TensorFlow initializes each under ``cond(VarIsInitializedOp(v), ...)``, then
@@ -448,117 +447,13 @@ def _length_of(t: tf.Tensor, axis: int, factor: Factor = UNIT):
     """What the split axis ``t`` holds along ``axis`` (at ``factor`` in it) is as long as: the product
     of the function's run-time sizes it is (:func:`grappler_ext.shapes.symbols`: a Keras ``Dense``'s
     [B * L, E] rows and the [B * L] labels it is compared with; the L of those rows split along the
-    sequence), else where its run-time length comes from (:func:`length_source`)."""
+    sequence), else where its run-time length comes from (:func:`.lengths.length_source`)."""
     exact = shapes.exact_dims(t)
     if exact is not None and exact[axis] is not None and shapes.monomials(t) is not None:
         return ("product", shapes.exact_monomial(exact[axis] // factor.rows(1)))
     if not factor.unit:
         return (t.name, axis)
-    return length_source(t, axis)
-
-
-def length_source(t: tf.Tensor, axis: int, depth: int = 256) -> tuple[str, int]:
-    """Where the run-time length of ``t``'s ``axis`` comes from: ``(_INPUT, axis)`` for the function's
-    inputs (their unknown dimensions at one axis are taken as one: a batch's features and labels, a
-    padded batch's lengths), else the tensor and axis the ops keeping it lead back to (an op that
-    keeps it is one whose split rule reads exactly one input along a dynamic axis, or several with
-    one source)."""
-    for _ in range(depth):
-        if t.op.type in ("Placeholder", "PlaceholderWithDefault") and not t.op.inputs:
-            return (_INPUT, axis)
-        if t.shape.rank is None or t.shape[axis] is not None:
-            return (t.name, axis)
-        same = _SAME_LENGTH.get((t.op.type, t.value_index, axis))
-        if same is not None:
-            t, axis = t.op.inputs[same[0]], same[1]
-            continue
-        if t.op.type == "IdentityN":                   # a custom gradient's outputs: its inputs
-            t = t.op.inputs[t.value_index]
-            continue
-        shaped = _shape_source(t, axis)
-        if shaped is not None:
-            # broadcast_to(g, tf.shape(x)) (a reduction's gradient), a slice cut to x's length: x's.
-            t, axis = shaped
-            continue
-        prop = rules.propagate(t.op, t.value_index, axis)
-        if not prop:
-            return (t.name, axis)
-        carried = [(x, a) for x, a in zip(t.op.inputs, prop.input_axes)
-                   if a is not None and x.shape.rank is not None and x.shape[a] is None]
-        if not carried:
-            return (t.name, axis)
-        if len({(x.ref(), a) for x, a in carried}) > 1:
-            found = {length_source(x, a, depth // 2) for x, a in carried}
-            return found.pop() if len(found) == 1 else (t.name, axis)
-        t, axis = carried[0]
-    return (t.name, axis)
-
-
-# (op type, output, axis) -> (input, axis) of the same length, for ops with no split rule: a
-# loss's per-example values and its gradient have the logits' batch.
-_SAME_LENGTH = {
-    ("SparseSoftmaxCrossEntropyWithLogits", 0, 0): (0, 0),
-    ("SparseSoftmaxCrossEntropyWithLogits", 1, 0): (0, 0),
-    ("SoftmaxCrossEntropyWithLogits", 0, 0): (0, 0),
-    ("SoftmaxCrossEntropyWithLogits", 1, 0): (0, 0),
-}
-
-
-# Ops that make their output in a shape given as a tensor: which input holds it.
-_SHAPE_OPERAND = {"BroadcastTo": 1, "Reshape": 1, "Fill": 0, "Slice": 2, "Tile": 1}
-
-
-def _shape_source(t: tf.Tensor, axis: int) -> tuple[tf.Tensor, int] | None:
-    """``(x, a)`` where ``t``'s ``axis`` is made as long as ``x``'s ``a`` read at run time
-    (``BroadcastTo``, ``Fill``, ``Reshape`` or ``Slice`` to sizes from ``tf.shape(x)``; ``Tile`` of a
-    unit axis that many times), else ``None``."""
-    op = t.op
-    index = _SHAPE_OPERAND.get(op.type)
-    if index is None:
-        return None
-    if op.type == "Tile" and op.inputs[0].shape.rank is not None and op.inputs[0].shape[axis] != 1:
-        return None
-    return _element_source(op.inputs[index], axis)
-
-
-def _element_source(shape: tf.Tensor, i: int, depth: int = 16) -> tuple[tf.Tensor, int] | None:
-    """``(x, a)`` where element ``i`` of the 1-D int tensor ``shape`` is ``tf.shape(x)[a]``, else ``None``."""
-    op = shape.op
-    if depth == 0:
-        return None
-    if op.type in ("Identity", "Cast") and op.inputs:
-        return _element_source(op.inputs[0], i, depth - 1)
-    if op.type == "Shape":
-        return (op.inputs[0], i)
-    if op.type == "Pack" and i < len(op.inputs):
-        return _scalar_source(op.inputs[i], depth - 1)
-    if op.type == "Reshape" and i == 0 and op.inputs[0].shape.num_elements() == 1:
-        return _scalar_source(op.inputs[0], depth - 1)
-    if op.type == "ConcatV2":
-        start = 0
-        for piece in op.inputs[:-1]:
-            n = piece.shape.num_elements() if piece.shape.is_fully_defined() else None
-            if n is None:
-                return None
-            if i < start + n:
-                return _element_source(piece, i - start, depth - 1)
-            start += n
-    return None
-
-
-def _scalar_source(t: tf.Tensor, depth: int) -> tuple[tf.Tensor, int] | None:
-    """``(x, a)`` where the int scalar ``t`` is ``tf.shape(x)[a]``, else ``None``."""
-    op = t.op
-    if depth == 0:
-        return None
-    if op.type in ("Identity", "Cast") or (op.type == "Reshape" and t.shape.num_elements() == 1):
-        return _scalar_source(op.inputs[0], depth - 1) if t.shape.rank == 0 else _element_source(t, 0, depth - 1)
-    if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and op.get_attr("shrink_axis_mask") == 1:
-        begin = folding.static_value(op.inputs[1])
-        if begin is not None and np.asarray(begin).size == 1:
-            x = op.inputs[0].op.inputs[0]
-            return (x, int(np.asarray(begin).reshape(-1)[0]) % max(1, x.shape.rank or 1))
-    return None
+    return lengths.length_source(t, axis)
 
 
 def shape_reader(op: tf.Operation) -> bool:
@@ -577,8 +472,9 @@ def _sparse_lookup(op: tf.Operation, prop: rules.Propagation) -> bool:
             and computed(op.inputs[0].op).type == "ReadVariableOp")
 
 
-def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
-    """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``.  Readers
+def _outside(op, wanted, whole, included, graph_outputs, live, cloned: set, built) -> Why | None:
+    """Why ``op`` stays outside the region (its outputs are then sliced), or ``None``; an op read outside
+    too that the region computes again (:func:`.rules.recomputed`) is added to ``cloned``.  Readers
     not in ``live`` (dead ops: a tape's gradient for a constant divisor) do not count."""
     if op not in live:
         # Built by an earlier loop of this plan (its rebuilt gradients): not in the order planned on.
@@ -595,13 +491,17 @@ def _outside(op, wanted, whole, included, graph_outputs, live) -> Why | None:
     for o in op.outputs:
         if o.ref() in graph_outputs:
             return Why(Code.REGION_STOPS, f"`{op.name}` is an output of the function")
-        reader = next((c for c in o.consumers() if c not in included and c in live and not shape_reader(c)), None)
+        # (an earlier loop reading a draw holds it back: its slices are not drawn again)
+        reader = next((c for c in o.consumers() if c not in included and not shape_reader(c) and (
+            c in live or (c in built and c.type in LOOP_TYPES and rules.is_stateful(op)))), None)
         if reader is not None and (not rules.recomputed(op) or returned(o, graph_outputs)):
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
                   f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else
                   f"by `{reader.name}` ({reader.type})")
             return Why(Code.REGION_STOPS, f"{what} is also read outside the region, {by}")
+        if reader is not None:
+            cloned.add(op)
     return None
 
 
@@ -840,13 +740,15 @@ def _prologue_op(op: tf.Operation, inside: set, order_index: dict, graph_outputs
     return True
 
 
-def forget_dead(order_index: dict, graph) -> None:
+def forget_dead(order_index: dict, graph, built: set) -> None:
     """Ops a split left dead dropped from ``order_index`` (the order later regions are planned on):
     a later region must neither grow through nor end at the ops a loop replaced (an attention's
-    scores, still read by its queries' projection, which a later region would otherwise split again)."""
+    scores, still read by its queries' projection, which a later region would otherwise split again).
+    The live ops outside it, which the splits built, are added to ``built``: they read what they read."""
     live = live_ops(graph)
     for op in [op for op in order_index if op not in live]:
         del order_index[op]
+    built |= {op for op in live if op not in order_index and graph_edit.is_generated(op)}
 
 
 def downstream(op: tf.Operation, order_index: dict, depth: int) -> list[tf.Operation]:

@@ -587,7 +587,7 @@ class _Run:
                 self.hoped.discard(tensor.name)
                 continue
             done |= removed
-            analysis.forget_dead(order_index, graph)
+            analysis.forget_dead(order_index, graph, region.built)
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
             after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
             self.model_after = None if bound else after

@@ -274,14 +274,15 @@ _ALWAYS_HELD = frozenset({"Placeholder", "ReadVariableOp", "Const"})
 def recomputed(op: tf.Operation, depth: int = 4) -> bool:
     """Whether a region computes its own slices of ``op``, which something outside it reads too (the op
     itself staying for those readers): an elementwise op of the program's inputs, variables and
-    constants, of operands an eighth its size or less (broadcast), or of such ops (a PCA's centred data
-    ``x - mean``, read by the covariance and again by the scores after ``eigh``).  Its slices then
-    hold nothing the program does not hold anyway."""
+    constants, of operands of an eighth its elements or fewer (broadcast), or of such ops (a PCA's
+    centred data ``x - mean``, read by the covariance and again by the scores after ``eigh``).  Its
+    slices then hold nothing the program does not hold anyway, and draw nothing (a dropout's mask)."""
     out = op.outputs[0] if len(op.outputs) == 1 else None
-    if op.type not in RECOMPUTED or out is None or is_stateful(op) or op.control_inputs or not op_types.nbytes(out):
+    if (op.type not in RECOMPUTED or out is None or is_stateful(op) or op.control_inputs
+            or not out.shape.is_fully_defined() or not out.shape.num_elements()):
         return False
-    return all(op_types.nbytes(x) * 8 <= op_types.nbytes(out) or x.op.type in _ALWAYS_HELD
-               or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
+    return all((x.shape.is_fully_defined() and x.shape.num_elements() * 8 <= out.shape.num_elements())
+               or x.op.type in _ALWAYS_HELD or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
 
 
 def _dynamic_tensor(op: tf.Operation) -> str | None:

@@ -45,6 +45,7 @@ class RegionSearch:
         self.reseed = rules.Reseed() if run.options.redraw_random else None
         self.nestable: Candidate | None = None     # the best-ranked best effort whose attention can be nested
         self.found: list[Candidate] = []           # every plan best_root found for the tensor split now
+        self.built: set = set()                    # the live ops earlier loops built (analysis.forget_dead)
         # Regions grown, by their options, since the last loop was built (see grown_for)
         self.grown: dict = {}
         self.root_options: dict = {}               # root -> its options, likewise
@@ -309,7 +310,8 @@ class RegionSearch:
         key = (tuple(_option_key(o) for o in options), ignored is self.backward)
         found = self.grown.get(key)
         if found is None:
-            found = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed, self.pinned)
+            found = analysis.grow(options, self.graph_outputs, self.order_index, ignored, self.reseed, self.pinned,
+                                  self.built)
             if not isinstance(found, Why):
                 t = self.tuning
                 found.region.written_into = analysis.written_into(options, found, self.order_index)

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
-from grappler_ext.splitter import analysis, nominal, rules, scaling
+from grappler_ext.splitter import lengths, nominal, rules, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import always_split
@@ -334,11 +334,11 @@ def test_length_sources():
         w = tf.broadcast_to(tf.reduce_sum(z, 0, keepdims=True), tf.shape(z))
         u, _ = tf.unique(y)
     # Features and labels: the function's inputs, one batch.
-    assert analysis.length_source(z, 0) == analysis.length_source(y, 0)
+    assert lengths.length_source(z, 0) == lengths.length_source(y, 0)
     # broadcast_to(g, tf.shape(z)) has z's length.
-    assert analysis.length_source(w, 0) == analysis.length_source(x, 0)
+    assert lengths.length_source(w, 0) == lengths.length_source(x, 0)
     # A length decided by the data is its own.
-    assert analysis.length_source(u, 0) == (u.name, 0)
+    assert lengths.length_source(u, 0) == (u.name, 0)
 
 
 def test_plan_text_of_a_dynamic_loop():

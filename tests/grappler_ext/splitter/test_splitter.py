@@ -1234,3 +1234,22 @@ def test_an_elementwise_tensor_two_regions_read_is_computed_again_with_its_gradi
     assert after <= before * 0.7, (before, after)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_what_an_op_computed_again_reads_is_not_drawn_again():
+    """``h = x * noise``, a draw per row, is read by a sum over its rows and, after it, by a loop over
+    its rows: each region computes its own slices of ``h`` from ``x`` and the one draw, never a draw of
+    its own (with ``redraw_random`` a region takes a draw in, and the draw read by the op computed again
+    would have been drawn twice).  So ``sum(r) = sum(s)²`` holds as it does unsplit."""
+    def f(x):
+        h = x * tf.random.uniform([20000, 1], dtype=tf.float64)
+        s = tf.reduce_sum(h, 0)
+        r = tf.reduce_sum(tf.exp(h / 4) * tf.reduce_sum(s), 1)
+        return s, r, tf.reduce_sum(tf.exp(h / 4), 1)
+
+    x = tf.constant(np.random.default_rng(1).uniform(size=(20000, 64)))          # [20000, 64] f64: 10 MB
+    tf_memsafe.enable(12 * 10**6, redraw_random=True, strict=True)
+    s, r, e = tf.function(f, jit_compile=True)(x)
+    after = tf_memsafe.memory_footprint(f, x)
+    assert after <= 12 * 10**6 and rewrites(), after
+    np.testing.assert_allclose(r, e * float(tf.reduce_sum(s)), rtol=1e-12)
