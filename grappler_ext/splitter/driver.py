@@ -390,9 +390,11 @@ class _Run:
             left, less = PassResult(self.name), f"{1 - self.tuning.over_gain:.0%}"
             left.skip([], f"XLA's figure as split, {measured:,} B, is not {less} below as written, {written:,} B: "
                           "left as written", code=Code.NO_SMALLER)
+            worst = outcome.worst(tried.records)
             self.pending = [f"`{self.graph.name}` needs {_mb(written)} by XLA's figure as written, over its limit "
                             f"of {_mb(self.limit)}, and the splitter's best plan for it was not {less} smaller "
-                            f"({_mb(measured)}): left as written. It will run as well as it can; raise memory_limit."]
+                            f"({_mb(measured)}): left as written" + (f"; {outcome.cause(worst)}" if worst else "")
+                            + ". It will run as well as it can; raise memory_limit."]
             return left, written
         if undone:                       # the plan again, as built (its figures are known)
             warned = self.pending
@@ -608,8 +610,7 @@ class _Run:
         done_names = {op.name for op in done}
         result.records = [r for r in result.records if not (
             r.action == SKIPPED and r.ops and r.code in CANNOT_SPLIT | {Code.FITS_WHOLE} and set(r.ops) <= done_names)]
-        failed = [r for r in result.records if r.code in CANNOT_SPLIT or r.code == Code.BEST_EFFORT]
-        worst = max(failed, key=lambda r: r.bytes_before or 0) if failed else None
+        worst = outcome.worst(result.records)
         needed = est.peak_bytes if est.peak_bytes is not None else (worst.bytes_before if worst else None)
         if worst is not None and after is not None and after <= limit:
             worst = None       # what was split took the rest with it
@@ -685,8 +686,7 @@ class _Run:
         if self._said_within(after, figure := self.figure(), result):
             return
         self.warned_figure = figure.bytes
-        what = (f"the splitter {worst.reason[0].lower()}{worst.reason[1:]}" if worst.action == SKIPPED
-                else f"the splitter could only reduce it: {worst.reason}") + rules.redraw_hint(
+        what = outcome.cause(worst) + rules.redraw_hint(
             self.graph, [worst] + [r for r in result.records if r.code in CANNOT_SPLIT], self.options.redraw_random)
         as_written = est.peak_bytes is None and self.entry_over is not None
         # (what no rewrite changes, by the model's count of the program as traced: not at nominal sizes)

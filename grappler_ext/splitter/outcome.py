@@ -11,7 +11,7 @@ import dataclasses
 import enum
 
 __all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "NestedKeys",
-           "Growth", "CannotFit", "megabytes", "loops", "loop_chunks"]
+           "Growth", "CannotFit", "megabytes", "loops", "loop_chunks", "worst", "cause"]
 
 
 def loops(n: int) -> str:
@@ -35,6 +35,21 @@ def built_alike(result) -> tuple:
 def megabytes(n: int | None) -> str:
     """``n`` bytes for a person: "12.3 MB" (``None``: "an unknown amount")."""
     return "an unknown amount" if n is None else f"{n / 1e6:,.1f} MB"
+
+
+def worst(records):
+    """The largest record (by its bytes before) of what a plan could not split or split only as a best
+    effort, or ``None``."""
+    failed = [r for r in records if r.code in CANNOT_SPLIT or r.code == Code.BEST_EFFORT]
+    return max(failed, key=lambda r: r.bytes_before or 0, default=None)
+
+
+def cause(record) -> str:
+    """What a warning says of the ``record`` :func:`worst` gives: "the splitter cannot split ..." or
+    "the splitter could only reduce it: ..."."""
+    if record.code == Code.BEST_EFFORT:
+        return f"the splitter could only reduce it: {record.reason}"
+    return f"the splitter {record.reason[0].lower()}{record.reason[1:]}"
 
 
 class Code(str, enum.Enum):

@@ -860,8 +860,9 @@ def test_best_efforts_larger_than_the_program_as_written_are_undone():
     hook.clear_reports()
     tf_memsafe.enable(limit, strict=True)
     # (the program as written measured with the plan undone: its own figure, not the plan's)
+    # (and what the plan could not help: a DCGAN's step said only "not 10% smaller")
     said = (r"needs 3\.0 MB by XLA's figure as written, .* best plan for it was not 10% smaller \(4\.5 MB\): "
-            "left as written")
+            r"left as written; the splitter could only reduce it: `\w+` .*best effort")
     with splitter_only(as_written_and_split(2 * limit, 3 * limit)), pytest.warns(RuntimeWarning, match=said):
         graph = tf.function(two_attention_outputs, jit_compile=True).get_concrete_function(*specs).graph
     tf_memsafe.disable()
