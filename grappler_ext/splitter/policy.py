@@ -88,10 +88,11 @@ def steps(grown: Grown, beside: Beside) -> tuple[list[int], list[int]]:
     return forward, [step_of[op.name] for op in readers if op.name in step_of]
 
 
-def background(beside: Beside, at: list[int], grown: Grown) -> int:
+def background(beside: Beside, at: list[int], grown: Grown, beside_loop: bool = False) -> int:
     """The most pool bytes the rest of the program holds over the schedule steps ``at`` (first to
     last), by the model's schedule: the region's own tensors, and the large tensors still to be
-    split, left out."""
+    split, left out; ``beside_loop``: what is held beside the region's loop, which runs as one step,
+    so no other op's scratch (a solve scheduled between the region's ops runs before or after it)."""
     if not at:
         return 0
     est = beside.est
@@ -103,7 +104,7 @@ def background(beside: Beside, at: list[int], grown: Grown) -> int:
             continue
         # A kernel's scratch goes with its result (a triangular solve's, with the solve's output).
         names = (b.name.removesuffix(" (scratch)") + ":0",) if b.kind == "scratch" else (b.name,) + b.tensors
-        if any(n in gone for n in names):
+        if any(n in gone for n in names) or (beside_loop and b.kind == "scratch"):
             delta[max(b.first_step, lo) - lo] -= b.bytes
             delta[min(b.last_step, hi) - lo + 1] += b.bytes
     running, most = 0, 0
@@ -114,10 +115,10 @@ def background(beside: Beside, at: list[int], grown: Grown) -> int:
 
 
 def largest_beside(beside: Beside, at: list[int], grown: Grown):
-    """The largest buffer of the model's (not a parameter nor a constant) live over the schedule steps
-    ``at`` that is none of the region's tensors, or ``None``."""
+    """The largest buffer of the model's (not a parameter, a constant or scratch) live over the schedule
+    steps ``at`` that is none of the region's tensors, or ``None``."""
     gone = {o.name for op in grown.included for o in op.outputs}
-    live = [b for b in beside.est.buffers if at and b.kind not in ("parameter", "constant")
+    live = [b for b in beside.est.buffers if at and b.kind not in ("parameter", "constant", "scratch")
             and b.first_step <= max(at) and b.last_step >= min(at)
             and not ({b.name, b.name.removesuffix(" (scratch)") + ":0", *b.tensors} & gone)]
     return max(live, key=lambda b: b.bytes, default=None)
@@ -190,7 +191,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     # live then: an attention layer's loop runs beside the activations kept for the backward).
     constant = est.parameter_bytes + est.constant_bytes
     forward_steps, backward_steps = steps(grown, beside)
-    others = background(beside, forward_steps, grown)
+    others = background(beside, forward_steps, grown, beside_loop=True)
     fixed = constant + max(max(est.output_bytes, root_out) + computed_outside, others + root_out) + root_out
     # Every tensor the model materialises in the region counted at once (not the peak of its
     # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted

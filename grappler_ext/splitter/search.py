@@ -89,10 +89,8 @@ class RegionSearch:
             best = self.nested(best._replace(nest=own) if own else self.nestable, best, beside) or best
         size = info[tensor.name].bytes
         if best is None:
-            # (a mesh's axis first; then a loop refused only for the size of its joined result, which
-            # the splitter plans again with where the limit is not met)
-            why = (min(reasons, key=lambda r: (r.code != Code.SHARDED_AXIS, r.code != Code.JOINED_TOO_LARGE))
-                   if reasons else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
+            why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
+                   else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
             self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
                              bytes_before=size, code=why.code)
             return None
