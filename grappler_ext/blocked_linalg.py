@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla
 
@@ -87,7 +88,8 @@ class Tail:
     """Elementwise ops from an [n, n] tensor ``raw`` to a factor's matrix, their other inputs
     broadcast scalars and vectors, or [n, n] tensors made from those by elementwise ops and reshapes
     of their own shape (GPflow's kernel: ``variance * exp(-0.5 * (-2 X Xᵀ + (|x|² ⊕ |x|²)))``, its
-    outer sum a reshaped broadcast add); :meth:`columns` computes them on a block of ``raw``'s
+    outer sum a reshaped broadcast add) or put on the main diagonal (the noise of ``K + σ² I``, with
+    ``tf.eye`` or ``tf.linalg.diag``); :meth:`columns` computes them on a block of ``raw``'s
     columns.  ``ops`` in the order they run."""
 
     def __init__(self, raw: tf.Tensor, ops: Sequence[tf.Operation]):
@@ -144,6 +146,12 @@ class Tail:
                 env[op.outputs[0].ref()] = env[op.inputs[0].ref()] if op.inputs[0].ref() in env else \
                     self._sliced(op.inputs[0], start, size)
                 continue
+            if op.type in _DIAGONALS:                      # d[i] where row i is the block's column
+                rows = tf.range(self.n)[:, None]
+                at = tf.range(size)[None, :] + tf.cast(start, tf.int32)
+                d = op.inputs[0][:, None]
+                env[op.outputs[0].ref()] = tf.where(tf.equal(rows, at), d, tf.zeros_like(d))
+                continue
             inputs = [env[x.ref()] if x.ref() in env else self._sliced(x, start, size) for x in op.inputs]
             env[op.outputs[0].ref()] = graph_edit.clone_op(op, inputs)[0]
         return env[self.ops[-1].outputs[0].ref()]
@@ -169,7 +177,23 @@ def _recomputable(op: tf.Operation, n: int) -> bool:
         return False
     if op.type == "Reshape":
         return op.inputs[0].shape == (n, n)
+    if op.type in _DIAGONALS:
+        return _main_diagonal(op, n)
     return op.type in UNARY_ELEMENTWISE | BROADCASTING_ELEMENTWISE
+
+
+# A matrix with a vector on its main diagonal (``tf.eye(n)``, ``tf.linalg.diag(s)``): a kernel's noise
+# written ``K + σ² I``.  Its columns are made from the vector whole.
+_DIAGONALS = ("MatrixDiag", "MatrixDiagV3")
+
+
+def _main_diagonal(op: tf.Operation, n: int) -> bool:
+    """Whether ``op`` puts an [n] vector on the main diagonal of an [n, n] matrix, zeros elsewhere."""
+    if op.inputs[0].shape != (n,):
+        return False
+    values = [tf.get_static_value(x) for x in op.inputs[1:]]
+    return op.type == "MatrixDiag" or all(v is not None and np.size(v) == 1 and np.asarray(v).item() in ok
+                                          for v, ok in zip(values, ((0,), (-1, n), (-1, n), (0,))))
 
 
 def cholesky(a: tf.Tensor, block: int = BLOCK, diagonal: tf.Tensor | None = None, added: bool = False,
