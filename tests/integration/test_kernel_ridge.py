@@ -5,10 +5,12 @@ test points.
 Each [2000, 2000] matrix is 16 MB and the test points' kernel rows 8 MB; XLA's figure for the program
 as written is 48 MB.  Under 45% of that the limit cannot be met (the factor, with the matrix it is made
 from, holds 32 MB while the kernel is built), but the mean and the variance can be computed in one loop
-over the test points, which leaves neither the kernel rows nor ``v`` whole: 0.68 of the figure as
-written.  Before, the mean's loop alone was taken (it needs as little by the model) and left both whole
-for the variance; and the model counted the scratch of ``cholesky_solve``, scheduled between the
-region's ops, as held beside the loop, so no loop of both was planned: 0.86, after ``blocked_linalg``.
+over the test points, which leaves neither the kernel rows nor ``v`` whole, and the factor is computed
+in the kernel's buffer with its noise (``blocked_linalg``): 0.52 of the figure as written.  Before, the
+mean's loop alone was taken (it needs as little by the model) and left both whole for the variance;
+the model counted the scratch of ``cholesky_solve``, scheduled between the region's ops, as held
+beside the loop, so no loop of both was planned; and ``+ 0.1 * tf.eye(N)`` kept the kernel out of the
+factor's loop: 0.86.
 """
 
 import warnings
@@ -43,7 +45,7 @@ def test_the_mean_and_variance_are_one_loop_over_the_test_points():
         warnings.simplefilter("always")
         got = tf.function(predict, jit_compile=True)(x, y, x_test)
     split = tf_memsafe.memory_footprint(predict, x, y, x_test)
-    assert split <= 0.75 * written, (split, written)
+    assert split <= 0.6 * written, (split, written)
     said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
     assert len(said) == 1 and "over its limit" in said[0], said                  # (it cannot fit: said once)
     for g, e in zip(got, expected):
