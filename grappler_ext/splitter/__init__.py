@@ -151,6 +151,7 @@ module              what it holds
 ``chunk_plan``      the largest chunk under a budget (pure)
 ``nominal``         the sizes a program with run-time dimensions is planned at
 ``scaling``         a loop's chunk scaled to the run-time sizes (a padded batch's), resolved by XLA
+``lengths``         where an axis' run-time length comes from (the inputs, or a tensor it leads to)
 ``outcome``         record codes (``Code``) and the frozen ``LoopPlan`` of each loop
 ==================  ==========================================================================
 """
