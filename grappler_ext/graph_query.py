@@ -126,5 +126,6 @@ def ancestor_ops(ops: Iterable[tf.Operation], stop: set | None = None) -> set[tf
 def returned(t: tf.Tensor, graph_outputs: set) -> bool:
     """Whether the function whose outputs' refs are ``graph_outputs`` returns ``t``, or it through ops
     that only pass it on: its whole value is made."""
-    return t.ref() in graph_outputs or any(c.type in PASS_THROUGH and returned(c.outputs[0], graph_outputs)
-                                           for c in t.consumers() if c.outputs)
+    return t.ref() in graph_outputs or any(
+        c.type in PASS_THROUGH and returned(c.outputs[list(c.inputs).index(t) if c.type == "IdentityN" else 0],
+                                            graph_outputs) for c in t.consumers() if c.outputs)
