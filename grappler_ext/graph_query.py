@@ -127,5 +127,10 @@ def returned(t: tf.Tensor, graph_outputs: set) -> bool:
     """Whether the function whose outputs' refs are ``graph_outputs`` returns ``t``, or it through ops
     that only pass it on: its whole value is made."""
     return t.ref() in graph_outputs or any(
-        c.type in PASS_THROUGH and returned(c.outputs[list(c.inputs).index(t) if c.type == "IdentityN" else 0],
-                                            graph_outputs) for c in t.consumers() if c.outputs)
+        c.type in PASS_THROUGH and returned(c.outputs[_slot(c, t) if c.type == "IdentityN" else 0], graph_outputs)
+        for c in t.consumers() if c.outputs)
+
+
+def _slot(op: tf.Operation, t: tf.Tensor) -> int:
+    """Which input of ``op`` is ``t`` (by identity: a tensor's ``==`` builds an op)."""
+    return next(i for i, x in enumerate(op.inputs) if x is t)
