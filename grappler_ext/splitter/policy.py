@@ -97,7 +97,7 @@ def background(beside: Beside, at: list[int], grown: Grown, beside_loop: bool = 
         return 0
     est = beside.est
     lo, hi = min(at), max(at)
-    gone = beside.hoped | {o.name for op in grown.included for o in op.outputs}
+    gone = _gone(beside, grown)
     delta = [0] * (hi - lo + 2)
     for b in est.buffers:
         if b.kind == "parameter" or b.kind == "constant" or b.last_step < lo or b.first_step > hi:
@@ -114,13 +114,17 @@ def background(beside: Beside, at: list[int], grown: Grown, beside_loop: bool = 
     return most
 
 
+def _gone(beside: Beside, grown: Grown) -> set:
+    """The tensors (names) :func:`background` leaves out: the region's own, and those still to be split."""
+    return beside.hoped | {o.name for op in grown.included for o in op.outputs}
+
+
 def largest_beside(beside: Beside, at: list[int], grown: Grown):
-    """The largest buffer of the model's (not a parameter, a constant or scratch) live over the schedule
-    steps ``at`` that is none of the region's tensors, or ``None``."""
-    gone = {o.name for op in grown.included for o in op.outputs}
+    """The largest buffer :func:`background` counts beside the region's loop over the schedule steps ``at``
+    (not a parameter, a constant or scratch), or ``None``."""
+    gone = _gone(beside, grown)
     live = [b for b in beside.est.buffers if at and b.kind not in ("parameter", "constant", "scratch")
-            and b.first_step <= max(at) and b.last_step >= min(at)
-            and not ({b.name, b.name.removesuffix(" (scratch)") + ":0", *b.tensors} & gone)]
+            and b.first_step <= max(at) and b.last_step >= min(at) and not ({b.name, *b.tensors} & gone)]
     return max(live, key=lambda b: b.bytes, default=None)
 
 
@@ -205,10 +209,10 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     chunks = chunk_plan.plan_chunks(length, per_unit, fixed, budget)
     best_effort = None
     if not chunks:
-        stop, held = grown.stops[0].text if grown.stops else "", None
+        stop, rest = grown.stops[0].text if grown.stops else "", ""
         if fixed > budget and 2 * others > fixed and (held := largest_beside(beside, forward_steps, grown)):
             # (what the loop cannot shrink: the rest of the program, not where the region stops)
-            held = (f"the rest of the program holds {others:,} B while it runs, the largest `{held.name}` "
+            rest = (f"the rest of the program holds {others:,} B while it runs, the largest `{held.name}` "
                     f"({held.bytes:,} B)")
         # The limit cannot be met: still shrink the region until it is a small part of what
         # must stay (best_effort_fraction of the fixed bytes), unless that gains nothing.
@@ -224,7 +228,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
             return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (
                 f"; the region stops where {stop}" if stop else ""))
         chunks = ChunkPlan(length, chunk, int(predicted))
-        best_effort = BestEffort(chunks.predicted_bytes, stop=stop, beside=held or "")
+        best_effort = BestEffort(chunks.predicted_bytes, stop=stop, beside=rest)
     k = top_k(options)
     chunk = at_least(chunks.chunk, length, k)
     if chunk is None:

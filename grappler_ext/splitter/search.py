@@ -236,7 +236,7 @@ class RegionSearch:
     def best_root(self, candidates, tensor, beside: policy.Beside, reasons: list[Why]) -> Candidate | None:
         """The best plan among ``candidates`` (lists of root options split together) whose region
         takes ``tensor`` in, or ``None``; why the others fail is appended to ``reasons``."""
-        t, best, found = self.tuning, None, []
+        t, best = self.tuning, None
         for options in candidates:
             # (a region computing a weight's update takes in the gradients it reads)
             ignored = frozenset() if analysis.updates_from(options, self.order_index, self.backward) else self.backward
@@ -268,12 +268,11 @@ class RegionSearch:
             key = (avoided,) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
-            found.append(Candidate(key, options, grown, planned, remat))
+            self.found.append(Candidate(key, options, grown, planned, remat))     # (see widest)
             if best is None or key < best.key:
-                best = found[-1]
+                best = self.found[-1]
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
                 self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
-        self.found += found
         return best
 
     def widest(self, best: Candidate | None) -> Candidate | None:
