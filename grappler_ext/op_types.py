@@ -12,7 +12,7 @@ from grappler_ext import shapes
 
 __all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
            "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
-           "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "nbytes", "static_shape_reader", "reserve_space"]
+           "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "WHOLE_MATRICES", "nbytes", "static_shape_reader", "reserve_space"]
 
 # Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
@@ -45,6 +45,18 @@ CALL_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 NOT_CLONED = LOOP_TYPES | BRANCH_TYPES | CALL_TYPES
 # Ops that only pass a value on: a report names the op before them.
 PASS_THROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims"})
+# Linear algebra that reads its matrix whole or writes its results whole, whatever is rewritten around
+# it: XLA's solvers work on whole matrices ({op type: (the function a person calls, inputs, outputs)}
+# held whole; a Cholesky's input is left out, :mod:`grappler_ext.blocked_linalg` computing it block by
+# block).  A solve's right-hand side and solution split by columns.
+WHOLE_MATRICES = {
+    "SelfAdjointEigV2": ("tf.linalg.eigh", (0,), (0, 1)), "Svd": ("tf.linalg.svd", (0,), (0, 1, 2)),
+    "Eig": ("tf.linalg.eig", (0,), (0, 1)), "Qr": ("tf.linalg.qr", (0,), (0, 1)),
+    "MatrixInverse": ("tf.linalg.inv", (0,), (0,)), "MatrixSolve": ("tf.linalg.solve", (0,), ()),
+    "Lu": ("tf.linalg.lu", (0,), (0,)), "MatrixSquareRoot": ("tf.linalg.sqrtm", (0,), (0,)),
+    "MatrixDeterminant": ("tf.linalg.det", (0,), ()), "LogMatrixDeterminant": ("tf.linalg.slogdet", (0,), ()),
+    "Cholesky": ("tf.linalg.cholesky", (), (0,)),
+}
 # Ops that read only their input's shape.
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 # Tensors of unknown shape that hold nothing: the third reserve space of a fused batch norm (empty on

@@ -34,6 +34,7 @@ from grappler_ext.op_types import (
     PASS_THROUGH,
     REDUCTIONS,
     SHAPE_READERS,
+    WHOLE_MATRICES,
     nbytes,
     reserve_space,
     static_shape_reader,
@@ -41,12 +42,12 @@ from grappler_ext.op_types import (
 from grappler_ext.splitter import lengths, rules, scaling, sharding
 from grappler_ext.splitter.combiners import REDUCTION_COMBINERS
 from grappler_ext.splitter.loop import Region, external_inputs
-from grappler_ext.splitter.outcome import Code, RootSplit, Why
+from grappler_ext.splitter.outcome import Code, RootSplit, Whole, Why
 from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
            "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "updates_from",
-           "written_into", "materialised_bytes", "held_for_backward", "floor", "needed_now", "computed", "EinsumLayout",
+           "written_into", "materialised_bytes", "held_for_backward", "floor", "held_whole", "needed_now", "computed", "EinsumLayout",
            "softmax_einsum", "split_before"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
@@ -864,6 +865,29 @@ def floor(est, info) -> int:
     """Parameters, constants, outputs and the largest materialised tensor: what no loop removes."""
     biggest = max((i.bytes for i in info.values() if i.materialised and i.bytes), default=0)
     return est.parameter_bytes + est.constant_bytes + est.output_bytes + biggest
+
+
+def held_whole(graph) -> Whole | None:
+    """Of the ops whose matrices no rewrite splits (:data:`~grappler_ext.op_types.WHOLE_MATRICES`),
+    the one holding the most bytes at once beyond the program's arguments and results (one matrix's
+    worth where the splitter splits the op's batch axes), or ``None``."""
+    graph_outputs = {t.ref() for t in getattr(graph, "outputs", [])}
+
+    def held(op):
+        _, ins, outs = WHOLE_MATRICES[op.type]
+        tensors = [op.inputs[i] for i in ins] + [op.outputs[i] for i in outs]
+        if not all(t.shape.is_fully_defined() for t in tensors + [op.inputs[0]]) or op.inputs[0].shape.rank < 2:
+            return 0
+        batch = int(np.prod(op.inputs[0].shape[:-2])) if op.type in rules.RULES else 1
+        return sum(nbytes(t) for t in tensors if t.op.type not in ("Placeholder", "ReadVariableOp")
+                   and not returned(t, graph_outputs)) // max(batch, 1)
+
+    found = max(((held(op), op) for op in live_ops(graph) if op.type in WHOLE_MATRICES),
+                key=lambda h: h[0], default=(0, None))
+    if not found[0]:
+        return None
+    op = found[1]
+    return Whole(op.name, WHOLE_MATRICES[op.type][0], tuple(op.inputs[0].shape.as_list()[-2:]), found[0])
 
 
 def needed_now(graph, planned_bytes: int, loop_bytes: dict) -> tuple[int, bool]:

@@ -695,4 +695,5 @@ class _Run:
             self.graph.name, self.entry_over[0] if as_written else needed,
             "XLA" if as_written else "about" if est.peak_bytes is not None else "at least",
             None if self.growth else after, figure.bytes if figure.known else None, limit, self.limit, what,
-            arguments=arguments, results=results, split=after is not None).render())
+            arguments=arguments, results=results, split=after is not None,
+            whole=None if self.growth else analysis.held_whole(self.graph)).render())

@@ -11,7 +11,7 @@ import dataclasses
 import enum
 
 __all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "NestedKeys",
-           "Growth", "CannotFit", "megabytes", "loops", "loop_chunks", "worst", "cause"]
+           "Growth", "Whole", "CannotFit", "megabytes", "loops", "loop_chunks", "worst", "cause"]
 
 
 def loops(n: int) -> str:
@@ -372,6 +372,23 @@ class NominalSize:
 
 
 @dataclasses.dataclass(frozen=True)
+class Whole:
+    """An op no rewrite splits the matrices of (:data:`~grappler_ext.op_types.WHOLE_MATRICES`): its
+    name and the function a person calls for it, its matrix's shape, and the bytes it holds whole at
+    once, its inputs and results of those among the program's arguments and results left out (a lower
+    bound: XLA's solver takes its own scratch beside them)."""
+
+    op: str
+    function: str
+    shape: tuple[int, ...]
+    bytes: int
+
+    def render(self) -> str:
+        return (f"`{self.op}` ({self.function}) holds {megabytes(self.bytes)} whole at once "
+                f"({list(self.shape)} matrices), which no rewrite splits")
+
+
+@dataclasses.dataclass(frozen=True)
 class CannotFit:
     """The one warning of a run whose limit cannot be met: the program, what it needs (``needed``
     bytes, ``by``: "about" or "at least" by the model's count, or "XLA" by its figure as written), as split
@@ -379,7 +396,7 @@ class CannotFit:
     user's ``wanted`` where it was scaled) and what the splitter said of the record that could not
     be helped (``what``); ``arguments`` and ``results``: the bytes of the program's arguments (its
     variables' values among them) and results, which no rewrite changes (0: not counted); ``split``:
-    whether anything was split."""
+    whether anything was split; ``whole``: the op holding the most bytes no rewrite splits, if any."""
 
     program: str
     needed: int | None
@@ -392,11 +409,12 @@ class CannotFit:
     arguments: int = 0
     results: int = 0
     split: bool = True                  # whether anything was split (else XLA's figure is the program's as written)
+    whole: Whole | None = None
 
     @property
     def floor(self) -> int:
         """What the program holds whatever is rewritten inside it."""
-        return self.arguments + self.results
+        return self.arguments + self.results + (self.whole.bytes if self.whole is not None else 0)
 
     def render(self) -> str:
         mb = megabytes
@@ -408,13 +426,22 @@ class CannotFit:
                   f"this program {self.limit / self.wanted:.2f}x XLA's figure)")
         need = (f"needs {mb(self.needed)} by XLA's figure as written" if self.by == "XLA"
                 else f"needs {self.by} {mb(self.needed)} by the memory model")
-        head = f"`{self.program}` {need}{then}, over its limit of {mb(self.wanted)}{scaled}, and {self.what}."
         parts = f"arguments and variables {mb(self.arguments)}, results {mb(self.results)}"
-        if self.floor > self.wanted:
-            return (f"{head} Its arguments and results alone are {mb(self.floor)} ({parts}), over the limit: no "
+        if self.whole is not None and self.floor > self.wanted:
+            # (what the splitter said of its regions is beside the point: this op alone is over)
+            io = (f"; with the arguments and results ({parts}), {mb(self.floor)}"
+                  if self.floor >= 1.05 * self.whole.bytes else "")
+            return (f"`{self.program}` {need}{then}, over its limit of {mb(self.wanted)}{scaled}: "
+                    f"{self.whole.render()}{io}. No rewrite inside it can bring it under. It will run as well as it "
+                    f"can; raise memory_limit well above {mb(self.floor)} (XLA's solver needs scratch beside it), or "
+                    "compute that op on smaller matrices.")
+        head = f"`{self.program}` {need}{then}, over its limit of {mb(self.wanted)}{scaled}, and {self.what}."
+        io = self.arguments + self.results
+        if io > self.wanted:
+            return (f"{head} Its arguments and results alone are {mb(io)} ({parts}), over the limit: no "
                     f"rewrite inside it can bring it under. It will run as well as it can; raise memory_limit above "
-                    f"{mb(self.floor)}, or have it take or return less (smaller batches, results in parts).")
-        tight = (f" Its arguments and results alone are {mb(self.floor)} ({parts}), leaving "
-                 f"{mb(self.wanted - self.floor)} for everything else." if self.floor >= self.wanted / 2 else "")
+                    f"{mb(io)}, or have it take or return less (smaller batches, results in parts).")
+        tight = (f" Its arguments and results alone are {mb(io)} ({parts}), leaving "
+                 f"{mb(self.wanted - io)} for everything else." if io >= self.wanted / 2 else "")
         return (f"{head}{tight} It will run as well as it can; raise memory_limit, or rewrite that op's input in "
                 "smaller pieces.")

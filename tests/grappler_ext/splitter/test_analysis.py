@@ -196,3 +196,36 @@ class TestPrologue:
         ops = self.prologue(lambda x: tf.reduce_max(tf.exp(-tf.reduce_sum((x[:, None, :] - x[None, :, :]) ** 2, -1)),
                                                     0), "Max", "concat", X)
         assert ops == []
+
+
+class TestHeldWhole:
+    """What a linear algebra op holds whole whatever is rewritten: its matrix and results, less the
+    program's arguments and results (n = 300 f32: 360,000 B a matrix)."""
+
+    N = tf.TensorSpec([300, 300])
+
+    def test_an_eigh_of_a_computed_matrix_holds_it_and_its_vectors(self):
+        graph, _, _ = traced(lambda x: tf.reduce_sum(tf.linalg.eigh(tf.exp(x))[1], 0), self.N)
+        whole = analysis.held_whole(graph)
+        assert (whole.op, whole.function, whole.shape) == ("SelfAdjointEigV2", "tf.linalg.eigh", (300, 300))
+        assert whole.bytes == 2 * 360_000 + 1_200              # the matrix, the vectors and the values
+
+    def test_an_argument_and_a_result_are_not_counted_again(self):
+        """The arguments and results are the warning's own floor: the op adds what is neither."""
+        graph, _, _ = traced(lambda x: tf.linalg.eigh(x)[1], self.N)
+        assert analysis.held_whole(graph).bytes == 1_200       # the eigenvalues alone
+
+    def test_an_inverse_split_by_its_batch_holds_one_matrix(self):
+        graph, _, _ = traced(lambda x: tf.reduce_sum(tf.linalg.inv(tf.exp(x)), 0), tf.TensorSpec([4, 300, 300]))
+        assert analysis.held_whole(graph).bytes == 2 * 360_000
+
+    def test_a_solve_holds_its_matrix_and_a_cholesky_its_factor(self):
+        """A solve's right-hand side splits by columns; a Cholesky's input is computed block by block."""
+        solve, _, _ = traced(lambda a, b: tf.reduce_sum(tf.linalg.solve(tf.exp(a), b)), self.N,
+                             tf.TensorSpec([300, 50]))
+        chol, _, _ = traced(lambda a: tf.reduce_sum(tf.linalg.cholesky(tf.exp(a))), self.N)
+        assert analysis.held_whole(solve).bytes == analysis.held_whole(chol).bytes == 360_000
+
+    def test_a_program_without_such_ops_has_none(self):
+        graph, _, _ = traced(lambda x, y: tf.exp(tf.matmul(x, y, transpose_b=True)), X, Y)
+        assert analysis.held_whole(graph) is None

@@ -8,7 +8,7 @@ import json
 
 from grappler_ext.pass_base import PassResult, Record
 from grappler_ext.splitter import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing
-from grappler_ext.splitter.outcome import BestEffort, CannotFit
+from grappler_ext.splitter.outcome import BestEffort, CannotFit, Whole
 from tf_memsafe.report import Report
 
 
@@ -86,6 +86,26 @@ class TestCannotFit:
     def test_small_arguments_and_results_are_not_mentioned(self):
         said = self.warning(arguments=10 * 10**6, results=10 * 10**6)
         assert "alone" not in said and said.endswith("rewrite that op's input in smaller pieces.")
+
+    def test_an_op_holding_more_than_the_limit_whole_is_named_instead_of_the_splitters_reasons(self):
+        """A spectral clustering's ``eigh`` of [600, 600] under 2.06 MB: the warning blamed a slice of
+        the eigenvalues, which no raise of the limit short of the eigh's own bytes would help."""
+        whole = Whole("SelfAdjointEigV2", "tf.linalg.eigh", (600, 600), 2_881_200)
+        said = CannotFit("spectral", 7_700_000, "about", None, 5_100_000, 2_060_000, 2_060_000,
+                         "the splitter cannot split `Exp`: `StridedSlice` takes [596:600:1]", whole=whole).render()
+        assert ("over its limit of 2.1 MB: `SelfAdjointEigV2` (tf.linalg.eigh) holds 2.9 MB whole at once "
+                "([600, 600] matrices), which no rewrite splits. No rewrite") in said, said
+        assert "raise memory_limit well above 2.9 MB" in said and "StridedSlice" not in said
+        with_io = CannotFit("spectral", 7_700_000, "about", None, 5_100_000, 2_060_000, 2_060_000, "it cannot",
+                            arguments=1_000_000, whole=whole).render()
+        assert "with the arguments and results (arguments and variables 1.0 MB, results 0.0 MB), 3.9 MB" in with_io
+        assert "raise memory_limit well above 3.9 MB" in with_io
+
+    def test_an_op_held_whole_within_the_limit_leaves_the_splitters_reason(self):
+        whole = Whole("MatrixInverse", "tf.linalg.inv", (300, 300), 720_000)
+        said = CannotFit("f", 7_700_000, "about", None, 5_100_000, 2_060_000, 2_060_000,
+                         "the splitter cannot split `Exp`", whole=whole).render()
+        assert "and the splitter cannot split `Exp`." in said and "tf.linalg.inv" not in said
 
     def test_the_users_limit_is_said_and_the_scaled_one_planned_against_after_it(self):
         """A SimCLR step planned against 17.7 MB of a 30 MB limit (the model counting it 0.59x XLA's figure)

@@ -966,6 +966,18 @@ class TestMustNotFire:
         assert any("`Cholesky` couples every entry of its matrix" in r for r in reasons), reasons
         assert Code.REFUSED_OP in self.codes, self.codes
 
+    def test_an_eigh_over_the_limit_alone_is_named_with_the_limit_it_needs(self):
+        """A spectral embedding: ``eigh`` of the normalised affinity [600, 600] under 2.06 MB, which the
+        matrix and its vectors alone (2.9 MB) are over.  The warning named a slice of the eigenvalues."""
+        def fn(x):
+            a = tf.exp(-sq_dist(x, x))
+            s = tf.math.rsqrt(tf.reduce_sum(a, 1))
+            e, v = tf.linalg.eigh(s[:, None] * a * s[None, :])
+            return tf.math.l2_normalize(v[:, -4:], axis=1), e[-4:]
+        with pytest.warns(RuntimeWarning, match=r"over its limit of 2\.1 MB: `SelfAdjointEigV2` \(tf\.linalg\.eigh\) "
+                                                r"holds 2\.9 MB whole at once.*raise memory_limit well above 2\.9 MB"):
+            self.unchanged(fn, tf.TensorSpec([600, 3]), limit=2_060_000)
+
     def test_a_loop_that_would_only_write_its_result_is_refused(self):
         """Three products returned whole, [1500, 1000] f32 = 6 MB each, 18 MB over a 16 MB limit: a
         loop over one's rows would write the very tensor it was meant to avoid (the function returns
