@@ -12,7 +12,8 @@ from grappler_ext import shapes
 
 __all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
            "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
-           "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "WHOLE_MATRICES", "nbytes", "static_shape_reader", "reserve_space"]
+           "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "WHOLE_MATRICES", "nbytes", "static_shape_reader",
+           "reserve_space"]
 
 # Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})

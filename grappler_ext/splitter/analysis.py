@@ -47,8 +47,8 @@ from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = ["RootOption", "root_options", "Grown", "grow", "forward_roots", "together", "reaching_on", "prologue",
            "downstream", "forget_dead", "const_axes", "joined_bytes", "assigned", "updates_variable", "updates_from",
-           "written_into", "materialised_bytes", "held_for_backward", "floor", "held_whole", "needed_now", "computed", "EinsumLayout",
-           "softmax_einsum", "split_before"]
+           "written_into", "materialised_bytes", "held_for_backward", "floor", "held_whole", "needed_now", "computed",
+           "EinsumLayout", "softmax_einsum", "split_before"]
 
 _ARG = {"ArgMax": "max", "ArgMin": "min"}
 
