@@ -410,11 +410,12 @@ class _Run:
             if not any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
                 return None
             return {"relaxed": True}, "regions whose joined result is large for the limit allowed", 1.0
-        if self.growth is None or not self.split_sizes:
+        if not self.split_sizes:
             return None
-        # (the sizes the plan kept so far split along: the first's, or the relaxed one's)
-        return ({"avoid": frozenset(self.split_sizes)}, "loops along other run-time sizes first",
-                self.tuning.other_sizes_gain)
+        # (the sizes the plan kept so far split along: the first's, or the relaxed one's; of a static
+        # program, its loops' lengths: a Chamfer loss' batch of 2, in halves over XLA's figure)
+        return ({"avoid": frozenset(self.split_sizes)}, "loops along other "
+                + ("axes" if self.growth is None else "run-time sizes") + " first", self.tuning.other_sizes_gain)
 
     def _set_ways(self, ways: dict) -> None:
         """The ways of planning :meth:`_split` may change (``relaxed``, ``avoid``) as a run starts with

@@ -164,6 +164,16 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequenc
     return Scaling(rows, table, nominal, frozenset(values), whole, length=axis_monomial if dynamic else None)
 
 
+def loop_sizes(region, run_time: bool) -> frozenset:
+    """The sizes ``region``'s loop runs along, as a plan again with loops along other sizes first
+    avoids them: in a program with sizes known only at ``run_time``, those sizes
+    (:func:`split_sizes`); in a static one, its length (``("static", length)``: its axes told apart
+    by their lengths, a Chamfer loss' batch of 2 from its 3,000 points)."""
+    if run_time:
+        return split_sizes(region)
+    return frozenset() if region.dynamic else frozenset({("static", region.length)})
+
+
 def split_sizes(region) -> frozenset:
     """The run-time sizes (:func:`grappler_ext.shapes.monomials`) a region's loop runs along: those of
     the axes it slices its inputs along (whole axes, not a reshape's factors); empty for a static one

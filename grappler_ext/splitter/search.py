@@ -161,7 +161,7 @@ class RegionSearch:
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
         whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + roots)
         forward_loops = mechanism.new_loops(graph, existing)
-        run.split_sizes |= scaling.split_sizes(grown.region)
+        run.split_sizes |= scaling.loop_sizes(grown.region, run.growth is not None)
         try:
             rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
         finally:
@@ -263,8 +263,9 @@ class RegionSearch:
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
                                          planned.backward_unit, planned.best_effort)
-            # (a plan again after one over the limit: loops along the run-time sizes it split last)
-            avoided = bool(self.run.avoid) and bool(self.run.avoid & scaling.split_sizes(grown.region))
+            # (a plan again after one over the limit: loops along the sizes it split last)
+            avoided = bool(self.run.avoid) and bool(
+                self.run.avoid & scaling.loop_sizes(grown.region, self.run.growth is not None))
             key = (avoided,) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
