@@ -74,11 +74,13 @@ class Options(PassOptions):
         independent branches: a Transformer's encoder and decoder attention measured 2x the
         model's count).  One extra compile of such programs; off: the model's word is final.
       redraw_random: let the splitter move random draws (``tf.random.uniform``, ``normal``,
-        ``truncated_normal``: a dropout mask) into its loops, each slice drawing its own values with
-        a stateless generator keyed by a seed drawn once per call, the op and the slice's offset, so
-        that a slice's gradient sees the very values its forward drew.  The values are other draws of
-        the same distribution, not the unsplit program's.  Off by default: a region with a random
-        draw in it is not split through it (the record names the op and this option).
+        ``truncated_normal``, and the seeded stateless draws of Keras 3's dropout) into its loops,
+        each slice drawing its own values with a stateless generator keyed by a seed drawn once per
+        call, the op and the slice's offset, so that a slice's gradient sees the very values its
+        forward drew.  The values are other draws of the same distribution, not the unsplit
+        program's (a seeded draw too: ``keras.utils.set_random_seed`` no longer fixes them), and the
+        loop's record names the draws it draws again.  Off by default: a region with a random draw
+        in it is not split through it (the record names the op and this option).
       check_at_run: a function whose inputs have dimensions known only at run time (planned at nominal
         sizes, or left as traced where no plan split it) is checked, by XLA's figure for its program at
         the shape it runs at, the first time it runs at a shape larger in some dimension than those

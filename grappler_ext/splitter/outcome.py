@@ -238,6 +238,8 @@ class LoopPlan:
         buffers (a wide layer's update along its kernel's columns).
       tiles: an attention's loop in 2-D tiles, its masked tiles skipped (:class:`Tiles`).
       nested: an attention computed in each slice by a loop over its keys (:class:`NestedKeys`).
+      redrawn: the random draws the loop draws again slice by slice (``Options.redraw_random``):
+        other numbers of the same distribution than the program as written draws.
     """
 
     roots: tuple[RootSplit, ...]
@@ -258,6 +260,7 @@ class LoopPlan:
     written_into: tuple[str, ...] = ()
     tiles: Tiles | None = None
     nested: NestedKeys | None = None
+    redrawn: tuple[str, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -314,6 +317,10 @@ class LoopPlan:
             gradient = self.rebuilt_gradients or self.has_gradient_loop or self.fused
             again = " and again in the gradient" if gradient else ""
             text += f"; {n} op{'s' if n > 1 else ''} before it computed in its prologue{again}"
+        if self.redrawn:
+            shown, s = ", ".join(f"`{name}`" for name in self.redrawn), "s" if len(self.redrawn) > 1 else ""
+            text += (f"; the random draw{s} {shown} drawn again slice by slice (redraw_random=True): other numbers "
+                     "of the same distribution than the program as written")
         if self.best_effort is not None:
             text += f"; {self.best_effort.render()}"
         return text

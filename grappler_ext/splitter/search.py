@@ -198,7 +198,8 @@ class RegionSearch:
                         rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
                         dynamic=grown.region.dynamic, fused=fused is not None, tiles=tiled and tiled[0].count(tiled[1]),
                         written_into=mechanism.written_variables(graph, grown.region),
-                        nested=best.nest and nested_loop.record(best.nest))
+                        nested=best.nest and nested_loop.record(best.nest),
+                        redrawn=tuple(op.name for op in grown.region.ops if rules.redrawn(op)) if draws else ())
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
                             bytes_after=chunks.predicted_bytes,

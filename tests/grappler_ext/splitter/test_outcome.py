@@ -19,6 +19,15 @@ def loop_plan(**overrides):
 
 
 class TestLoopPlan:
+    def test_a_loop_drawing_again_says_so(self):
+        """``redraw_random=True`` gives other numbers than the program as written: the record names
+        the draws (a Keras 3 dropout's seeded draw, exact without the option, differed silently)."""
+        assert loop_plan(redrawn=("dropout/StatelessRandomUniformV2",)).render().endswith(
+            "; the random draw `dropout/StatelessRandomUniformV2` drawn again slice by slice (redraw_random=True): "
+            "other numbers of the same distribution than the program as written")
+        assert "draws `a`, `b` drawn again" in loop_plan(redrawn=("a", "b")).render()
+        assert "drawn again" not in loop_plan().render()
+
     def test_rendered_from_its_values(self):
         plan = loop_plan(backward_chunk=100, has_gradient_loop=True, sizing=Sizing.LOOP_FIGURE, bytes_per_row=4096.4,
                          rebuilt_gradients=2, prologue_ops=("k", "v"))

@@ -1095,6 +1095,7 @@ class TestRandomDrawsRedrawn:
 
         _gradient_matches_central_differences(loss_and_grads, (x,), weights, rng)
         assert any(r.plan.fused for r in rewrites())        # the mask drawn and differentiated in one step
+        assert any(r.plan.redrawn and "drawn again slice by slice" in r.reason for r in rewrites())
 
     def test_each_loops_gradient_recomputes_its_own_loops_masks(self):
         """Two loops that draw, each keyed on its own seed of the call.  The first loop's gradient is
