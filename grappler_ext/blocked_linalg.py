@@ -387,6 +387,7 @@ def _set_diagonal(factor: tf.Operation, live) -> tuple[tf.Tensor, tf.Tensor | No
 class BlockedLinalg(GraphPass):
     name = "blocked_linalg"
     motive = Motive.MEMORY
+    slower = True            # (about 3x a Cholesky's FLOPs, 2x a solve's)
 
     def run(self, graph, options) -> PassResult:
         result = PassResult(self.name)

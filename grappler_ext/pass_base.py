@@ -198,6 +198,9 @@ class GraphPass(abc.ABC):
 
     name: ClassVar[str]
     motive: ClassVar[Motive] = Motive.MEMORY
+    # A memory rewrite that costs run time (more FLOPs than the program as written): kept only where it
+    # brings the program within its limit, or its figure a good share lower (:meth:`Guard.compare`).
+    slower: ClassVar[bool] = False
 
     @abc.abstractmethod
     def run(self, graph, options) -> PassResult:

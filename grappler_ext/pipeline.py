@@ -237,7 +237,7 @@ class Pipeline:
             # XLA's figure before the pass: its edits undone to compile the program as it was.
             journal.undo(to=mark)
             before = self.guard.standing(graph, options)
-        worse = self.guard.compare(before, after)
+        worse = self.guard.compare(before, after, options.memory_limit_bytes, p.slower)
         if worse is None:
             # Kept: run again where it was undone to measure (the same graph, the same decisions).
             kept = p.run(graph, options) if measures else result
