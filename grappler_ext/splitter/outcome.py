@@ -426,7 +426,9 @@ class CannotFit:
     def render(self) -> str:
         mb = megabytes
         xla = f"{mb(self.figure)} by XLA's figure" if self.figure is not None else ""
-        then = (f" ({mb(self.after)} as split{', ' + xla if xla else ''})" if self.after is not None
+        # (the model's count as split, named so where the program's need is XLA's figure as written)
+        model = " by the memory model" if self.by == "XLA" else ""
+        then = (f" ({mb(self.after)}{model} as split{', ' + xla if xla else ''})" if self.after is not None
                 else f" ({xla} as {'split' if self.split else 'written'})" if xla else "")
         # (the user's limit first; the one planned against, in the model's units, after it)
         scaled = ("" if self.limit == self.wanted else f" (planned against {mb(self.limit)}: the memory model counts "

@@ -124,6 +124,13 @@ class TestCannotFit:
         assert "over its limit of 30.0 MB (planned against 17.7 MB: the memory model counts this program 0.59x " \
                "XLA's figure)" in said, said
 
+    def test_the_models_count_as_split_is_named_beside_xlas_figure_as_written(self):
+        """A TFP GP prediction's warning read "needs 292.7 MB by XLA's figure as written (260.6 MB as
+        split, 120.9 MB by XLA's figure)": the middle figure is the memory model's."""
+        said = CannotFit("f", 292_700_000, "XLA", 260_600_000, 120_900_000, 96_500_000, 96_500_000, "it cannot").render()
+        assert ("needs 292.7 MB by XLA's figure as written (260.6 MB by the memory model as split, 120.9 MB by "
+                "XLA's figure)") in said, said
+
     def test_a_figure_of_a_program_nothing_was_split_in_is_as_written(self):
         fig = dict(needed=300 * 10**6, by="about", figure=160 * 10**6, limit=10**8, wanted=10**8, what="it cannot")
         assert "(160.0 MB by XLA's figure as written)" in CannotFit("f", after=None, split=False, **fig).render()
