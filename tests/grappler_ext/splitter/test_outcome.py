@@ -127,7 +127,7 @@ class TestCannotFit:
     def test_the_models_count_as_split_is_named_beside_xlas_figure_as_written(self):
         """A TFP GP prediction's warning read "needs 292.7 MB by XLA's figure as written (260.6 MB as
         split, 120.9 MB by XLA's figure)": the middle figure is the memory model's."""
-        said = CannotFit("f", 292_700_000, "XLA", 260_600_000, 120_900_000, 96_500_000, 96_500_000, "it cannot").render()
+        said = CannotFit("f", 292_700_000, "XLA", 260_600_000, 120_900_000, 96_500_000, 96_500_000, "no").render()
         assert ("needs 292.7 MB by XLA's figure as written (260.6 MB by the memory model as split, 120.9 MB by "
                 "XLA's figure)") in said, said
 
