@@ -305,7 +305,7 @@ class _Run:
             stuck = sorted((r for r in result.records if r.code in CANNOT_SPLIT), key=lambda r: -(r.bytes_before or 0))
             what = (f"the splitter {stuck[0].reason[0].lower()}{stuck[0].reason[1:]}" if stuck   # (the largest)
                     else "no tensor in it is large enough for a loop of its own") + rules.redraw_hint(
-                self.graph, stuck, self.options.redraw_random)
+                stuck, self.options.redraw_random)
             self.pending.append(
                 f"`{self.graph.name}` needs {_mb(figure)} {by}, over its limit of {_mb(self.limit)}; "
                 f"{why}, and {what}. It will run as well as it can; raise memory_limit, or compute that part in "
@@ -688,7 +688,7 @@ class _Run:
             return
         self.warned_figure = figure.bytes
         what = outcome.cause(worst) + rules.redraw_hint(
-            self.graph, [worst] + [r for r in result.records if r.code in CANNOT_SPLIT], self.options.redraw_random)
+            [worst] + [r for r in result.records if r.code in CANNOT_SPLIT], self.options.redraw_random)
         as_written = est.peak_bytes is None and self.entry_over is not None
         # (what no rewrite changes, by the model's count of the program as traced: not at nominal sizes)
         arguments, results = (0, 0) if self.growth else (est.parameter_bytes, est.output_bytes)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Code", "CANNOT_SPLIT", "Why", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles", "NestedKeys",
-           "Growth", "Whole", "CannotFit", "megabytes", "loops", "loop_chunks", "worst", "cause"]
+__all__ = ["Code", "CANNOT_SPLIT", "Why", "Redrawable", "RootSplit", "Sizing", "BestEffort", "LoopPlan", "Tiles",
+           "NestedKeys", "Growth", "Whole", "CannotFit", "megabytes", "loops", "loop_chunks", "worst", "cause"]
 
 
 def loops(n: int) -> str:
@@ -115,6 +115,14 @@ class Why:
 
     code: Code
     text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Redrawable:
+    """A tensor no region could split for which a region drawing ``draws`` again slice by slice would
+    be planned (``Options.redraw_random``): what the warning may advise (on its skip record's plan)."""
+
+    draws: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)

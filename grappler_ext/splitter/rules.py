@@ -73,7 +73,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
 from grappler_ext.op_types import LOOP_TYPES, RESERVE_SPACES, reserve_space
-from grappler_ext.splitter.outcome import Code
+from grappler_ext.splitter.outcome import Code, Redrawable
 from grappler_ext.splitter.slicing import UNIT, Factor
 
 __all__ = [
@@ -227,17 +227,16 @@ def redrawn(op: tf.Operation) -> bool:
     return op.type in RANDOM_DRAWS or op.type in KEYED_DRAWS
 
 
-def redraw_hint(graph, records, redraw: bool) -> str:
-    """For a warning that the limit cannot be met: where a random draw is among the tensors no region
-    could split (``records``' ops, by name) and ``Options.redraw_random`` is off, what turning it on
-    allows (the region through the draw stopped there, and its refusal may read as another reason:
-    a draw's sum also feeding a variable's update); else nothing.  ``records[0]`` is the one the
-    warning shows: where it is a draw's refusal (``Code.RANDOM_DRAW``), which names the option
-    itself, nothing more."""
+def redraw_hint(records, redraw: bool) -> str:
+    """For a warning that the limit cannot be met: where ``Options.redraw_random`` is off and a tensor
+    no region could split would be planned with it on (its record's plan is a
+    :class:`~.outcome.Redrawable`), what turning it on allows (the region through the draw stopped
+    there, and its refusal may read as another reason: a draw's sum also feeding a variable's
+    update); else nothing.  ``records[0]`` is the one the warning shows: where it is a draw's refusal
+    (``Code.RANDOM_DRAW``), which names the option itself, nothing more."""
     if redraw or not records or records[0].code == Code.RANDOM_DRAW:
         return ""
-    names = {name for r in records for name in r.ops}
-    draws = sorted(op.name for op in graph.get_operations() if op.name in names and redrawn(op))
+    draws = sorted(name for r in records if isinstance(r.plan, Redrawable) for name in r.plan.draws)
     return (f"; a random draw (`{draws[0]}`) stops the regions through it: enable tf_memsafe with "
             "redraw_random=True to let a loop draw other random numbers of the same distribution slice by slice"
             if draws else "")

@@ -29,7 +29,7 @@ from grappler_ext.splitter import (
     whole_at_run,
 )
 from grappler_ext.splitter.chunk_plan import ChunkPlan
-from grappler_ext.splitter.outcome import Code, LoopPlan, Sizing, Why
+from grappler_ext.splitter.outcome import Code, LoopPlan, Redrawable, Sizing, Why
 
 __all__ = ["RegionSearch", "Candidate"]
 
@@ -92,7 +92,7 @@ class RegionSearch:
             why = (min(reasons, key=lambda r: r.code != Code.SHARDED_AXIS) if reasons   # a mesh's axis first
                    else Why(Code.NO_ROOT, "no op downstream reduces it or has a split rule"))
             self.result.skip([tensor.op], f"cannot split `{tensor.op.name}` ({size:,} B): {why.text}",
-                             bytes_before=size, code=why.code)
+                             bytes_before=size, code=why.code, plan=self.redrawable(candidates, tensor, beside))
             return None
         options, grown, planned = best.options, best.grown, best.planned
         chunks, backward_chunk, per_unit = planned.chunks, planned.backward_chunk, planned.per_unit
@@ -205,6 +205,22 @@ class RegionSearch:
                             bytes_after=chunks.predicted_bytes,
                             code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
         return grown.included | set(grown.region.prologue)
+
+    def redrawable(self, candidates, tensor, beside: policy.Beside) -> Redrawable | None:
+        """Where ``Options.redraw_random`` is off and no region could split ``tensor``, whether one
+        of ``candidates`` would be planned with it on, and the draws it would draw again (the warning
+        advises the option only then: a draw read by two regions, the normal equations' design
+        matrix, stays whole with it too)."""
+        if self.reseed is not None or not any(rules.redrawn(op) for op in self.run.graph.get_operations()):
+            return None
+        kept = self.reseed, self.grown, self.found, self.nestable
+        self.reseed, self.grown = rules.Reseed(), {}
+        try:
+            best = self.best_root(candidates, tensor, beside, [])
+        finally:
+            self.reseed, self.grown, self.found, self.nestable = kept
+        draws = () if best is None else tuple(sorted(op.name for op in best.grown.region.ops if rules.redrawn(op)))
+        return Redrawable(draws) if draws else None
 
     def nest_in(self, grown, planned) -> nesting.Nest | None:
         """The attention of a best effort's region that can be computed over key blocks in each slice

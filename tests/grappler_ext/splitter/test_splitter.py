@@ -1068,6 +1068,25 @@ class TestRandomDrawsRedrawn:
             tf.function(nearest, jit_compile=True).get_concrete_function(tf.TensorSpec([2000, 16]))
         assert rewrites() == []
 
+    def test_a_draw_two_regions_read_one_after_the_other_is_not_said_to_be_helped_by_the_option(self):
+        """Normal equations on a design matrix drawn in the function: ``X`` is read by ``XᵀX`` and ``Xᵀy``,
+        and after the solve by the residual.  No loop may draw it twice, so ``redraw_random=True`` splits
+        nothing more (the warning advised it: a user turned it on, and the program stayed as it was)."""
+        def normal_equations(seed, y):
+            x = tf.random.stateless_normal([20000, 64], seed=seed)
+            w = tf.linalg.solve(tf.matmul(x, x, transpose_a=True) + 0.1 * tf.eye(64), tf.matmul(x, y, transpose_a=True))
+            return w, tf.reduce_mean(tf.square(y - x @ w))
+
+        for redraw in (False, True):
+            tf_memsafe.enable(8 * 10**6, redraw_random=redraw)
+            with splitter_only(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tf.function(normal_equations, jit_compile=True).get_concrete_function(
+                    tf.TensorSpec([2], tf.int64), tf.TensorSpec([20000, 1]))
+            said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+            assert said and "cannot split `stateless_random_normal" in said[0], said
+            assert "redraw_random" not in said[0] and rewrites() == [], said
+
     def test_each_slice_draws_its_own_mask_at_the_rate(self):
         tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
         with splitter_only():
