@@ -212,8 +212,11 @@ class TestFusedGrown:
     # XLA's figures for a Keras CNN's training step along its batch (planned at 93), alone, by chunk.
     CNN = {1: 66_678_590, 2: 96_104_350, 3: 93_286_238, 4: 120_483_742, 8: 168_456_094}
     # ... and for Keras' MNIST convnet's (batch 128): not straight in the chunk (7 and 10 made up between).
-    CONVNET = {4: 4_787_686, 5: 7_747_784, 6: 8_035_272, 7: 8_300_000, 8: 8_534_758, 10: 14_000_000,
-               12: 16_772_808, 16: 15_509_734}
+    CONVNET = {4: 4_787_686, 5: 7_747_784, 6: 8_035_272, 7: 8_300_000, 8: 8_534_758, 9: 8_800_000,
+               10: 14_000_000, 12: 16_772_808, 16: 15_509_734}       # (7, 9 and 10 made up between)
+    # ... and for a batch-hard triplet loss' step over 4,096 embeddings: a step between 4 and 47 rows.
+    TRIPLET = {2: 134_556_444, 4: 134_763_292, 47: 204_658_016, 92: 207_143_456, 93: 207_200_000,
+               48: 204_700_000, 182: 212_737_312}
 
     @staticmethod
     def asking(figures, asked):
@@ -230,12 +233,20 @@ class TestFusedGrown:
         assert policy.fused_grown((41_315_235, 1), 93, 1, DEFAULT_TUNING, self.asking(self.CNN, asked)) == 3
         assert asked == [1, 2, 4, 3]
 
-    def test_a_chunk_the_loop_alone_does_not_fit_is_halved_towards_its_own(self):
+    def test_a_chunk_the_loop_alone_does_not_fit_is_halved_towards_the_largest_that_does(self):
         """From 4 and 8 rows, 0.94 MB a row: 6.4 MB of room make 10 rows, 9.2 MB more than 4 alone;
-        7 rows, 3.5 MB more, are kept."""
+        halfway back to 8 (3.7 MB more, within the room), 9 rows, 4.0 MB more, are kept."""
         asked = []
         grown = policy.fused_grown((9_086_343, 4), 128, 1, DEFAULT_TUNING, self.asking(self.CONVNET, asked))
-        assert grown == 7 and asked == [4, 8, 10, 7]
+        assert grown == 9 and asked == [4, 8, 10, 9]
+
+    def test_the_largest_chunk_measured_within_the_room_is_kept_where_no_larger_one_fits(self):
+        """The triplet loss: 2 and 4 rows are 0.2 MB apart, so 26.7 MB of room make 182 rows, past a
+        step of 70 MB in XLA's figure; so are 93 and 48.  The 4 rows measured, within the room, halve the
+        loop's 2,048 steps (it was kept at 2)."""
+        asked = []
+        grown = policy.fused_grown((26_737_548, 2), 4096, 1, DEFAULT_TUNING, self.asking(self.TRIPLET, asked))
+        assert grown == 4 and asked == [2, 4, 182, 93, 48]
 
     def test_a_straight_figure_is_grown_at_once(self):
         asked = []
@@ -251,9 +262,9 @@ class TestFusedGrown:
 
         assert policy.fused_grown((10**7, 1), 93, 1, DEFAULT_TUNING, fails) is None
         assert policy.fused_grown((10**7, 1), 93, 1, DEFAULT_TUNING, lambda c: 10**6) is None     # does not grow
-        # Nothing larger fits in three tries: each halving still over the room.
+        # Nothing larger than the loop's own chunk fits: each try over the room, 8 rows too.
         assert policy.fused_grown((10**6, 4), 128, 1, DEFAULT_TUNING,
-                                  lambda c: 10**5 * c if c in (4, 8) else 10**8) is None
+                                  lambda c: 10**5 if c == 4 else 10**5 + 2 * 10**5 * c) is None
 
 
 class TestTuning:
