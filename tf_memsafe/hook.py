@@ -195,7 +195,9 @@ def transform(graph) -> None:
     opts = config.current()
     name = graph.name
     if not info.xla_compiled and not opts.rewrite_non_jit:
-        _report(TraceReport(name, False, "skipped",
+        # (Keras' loop over its steps calls the jit-compiled step, which is rewritten on its own)
+        _report(TraceReport(name, False, "skipped", "not compiled with XLA itself; the XLA-compiled functions it "
+                            "calls are rewritten on their own" if _tf_internals.calls_xla_function(graph) else
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
         if not info.tf_data:
             _say_not_xla(name, graph, opts)

@@ -81,6 +81,9 @@ class TestWhichTracesAreRewritten:
             step = tf.function(lambda x: tf.sin(x) + 1, jit_compile=True)
             assert said(tf.function(lambda x: tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, step(a)),
                                                              (0, x))[1]), X) == []
+            # ... and its report does not ask for rewrite_non_jit, which would not rewrite the step
+            outer = [r for r in tf_memsafe.reports() if not r.xla_compiled][-1]
+            assert outer.reason.endswith("the XLA-compiled functions it calls are rewritten on their own"), outer
             (first,) = said(tf.function(lambda x: tf.cos(x)), X)
             assert "`<lambda>` is not compiled with XLA" in first and "jit_compile=True" in first
             assert "rewrite_non_jit=True" in first
