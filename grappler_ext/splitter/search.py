@@ -48,6 +48,7 @@ class RegionSearch:
         self.built: set = set()                    # the live ops earlier loops built (analysis.forget_dead)
         # Regions grown, by their options, since the last loop was built (see grown_for)
         self.grown: dict = {}
+        self.grown_redrawn: dict = {}              # ... and as grown with redraw_random on (see redrawable)
         self.root_options: dict = {}               # root -> its options, likewise
         self.pinned = None                         # (sharding.pinned_axes, with the graph as it was)
         # The program as written where the model has no count of it (an op without a rule, not a loop of
@@ -140,7 +141,7 @@ class RegionSearch:
         (``fused``: the forward's own chunk, where the loop computes the gradients as it goes)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
-        self.grown, self.root_options = {}, {}  # (the graph changes: regions are grown anew)
+        self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
         existing = set(graph.get_operations())
         dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
@@ -211,10 +212,13 @@ class RegionSearch:
         of ``candidates`` would be planned with it on, and the draws it would draw again (the warning
         advises the option only then: a draw read by two regions, the normal equations' design
         matrix, stays whole with it too)."""
-        if self.reseed is not None or not any(rules.redrawn(op) for op in self.run.graph.get_operations()):
+        def drawn(grown) -> bool:                 # (a region grown so far stopped at a draw)
+            return any(w.code == Code.RANDOM_DRAW for w in ([grown] if isinstance(grown, Why) else grown.stops))
+
+        if self.reseed is not None or not any(drawn(g) for g in self.grown.values()):
             return None
         kept = self.reseed, self.grown, self.found, self.nestable
-        self.reseed, self.grown = rules.Reseed(), {}
+        self.reseed, self.grown = rules.Reseed(), self.grown_redrawn
         try:
             best = self.best_root(candidates, tensor, beside, [])
         finally:
