@@ -410,10 +410,10 @@ class _Run:
             if not any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
                 return None
             return {"relaxed": True}, "regions whose joined result is large for the limit allowed", 1.0
-        if not self.split_sizes:
+        if not self.split_sizes or (self.growth is None and any(r.code == Code.BEST_EFFORT for r in tried.records)):
             return None
         # (the sizes the plan kept so far split along: the first's, or the relaxed one's; of a static
-        # program, its loops' lengths: a Chamfer loss' batch of 2, in halves over XLA's figure)
+        # program whose plan met the limit by the model, its loops' lengths: a Chamfer loss' batch of 2)
         return ({"avoid": frozenset(self.split_sizes)}, "loops along other "
                 + ("axes" if self.growth is None else "run-time sizes") + " first", self.tuning.other_sizes_gain)
 
