@@ -38,7 +38,7 @@ from tensorflow.python.ops import gradients_util
 from grappler_ext import graph_edit, graph_query
 
 __all__ = ["GRADIENTS_ATTR", "GradientRecord", "records", "backward_ops", "rebuildable", "differentiated", "retarget",
-           "rebuild", "carries_gradient"]
+           "rebuild", "carries_gradient", "wanted"]
 
 # Attribute of a FuncGraph holding its list of GradientRecord (set while the function is traced).
 GRADIENTS_ATTR = "_tf_memsafe_gradients"
@@ -143,6 +143,58 @@ def carries_gradient(t: tf.Tensor) -> bool:
         seen.add(x.ref())
         if x.dtype in (tf.resource, tf.variant) or x.op.type == "Placeholder":
             return True
+        try:
+            if ops._gradient_registry.lookup(x.op.type) is None:   # noqa: SLF001 - NotDifferentiable
+                continue
+        except LookupError:
+            pass
+        stack.extend(x.op.inputs)
+    return False
+
+
+def _handle(source):
+    """The resource handle a variable source is read through (a Keras 3 variable's, its value's)."""
+    handle = getattr(source, "handle", None)
+    return handle if handle is not None else getattr(getattr(source, "value", None), "handle", None)
+
+
+def wanted(graph):
+    """``asks(t)``: whether a gradient recorded inside ``graph`` asks for ``t``'s gradient, that is
+    whether ``t`` is computed from one of its sources (a tensor, or the captured handle a variable is
+    read through) through tensors and ops gradients flow through.  A MoCo loss' negative queue and a
+    frozen layer's weights are read by the loss but asked for by no gradient.  Every tensor is asked
+    for where nothing is recorded (a tape outside the function decides) or a source is not found."""
+    recorded = records(graph)
+    captured = {id(external): internal for external, internal in getattr(graph, "captures", ())}
+    anchors = set()
+    for record in recorded:
+        for source in record.sources:
+            found = source if _in_graph(source) else captured.get(id(_handle(source)))
+            if found is None:
+                return lambda t: True
+            anchors.add(found.ref())
+    if not recorded:
+        return lambda t: True
+    known: dict = {}
+
+    def asks(t: tf.Tensor) -> bool:
+        if t.ref() not in known:
+            known[t.ref()] = _reaches(t, anchors)
+        return known[t.ref()]
+
+    return asks
+
+
+def _reaches(t: tf.Tensor, anchors: set) -> bool:
+    """Whether a path of tensors gradients flow through leads from one of ``anchors`` to ``t``."""
+    stack, seen = [t], set()
+    while stack:
+        x = stack.pop()
+        if x.ref() in seen or not _backpropagatable(x):
+            continue
+        if x.ref() in anchors:
+            return True
+        seen.add(x.ref())
         try:
             if ops._gradient_registry.lookup(x.op.type) is None:   # noqa: SLF001 - NotDifferentiable
                 continue

@@ -436,7 +436,8 @@ def _roles(region: Region, external: Sequence[tf.Tensor]) -> tuple[list, list, l
 
 def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
                 differentiable: bool = True, backward_chunk: int | None = None,
-                fused: int | None = None, values: Sequence[tf.Tensor] | None = None) -> list[tf.Tensor]:
+                fused: int | None = None, values: Sequence[tf.Tensor] | None = None,
+                asked: Sequence[bool] | None = None) -> list[tf.Tensor]:
     """Build the loop computing ``region`` in chunks of ``chunk``; returns the combined outputs.
 
     Must be called with the region's graph as default.  ``partial_specs`` are the shapes and dtypes
@@ -452,6 +453,11 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
     ``values``: what the loop reads, standing for the region's external inputs (:func:`external_inputs`,
     in order); by default those tensors themselves.  A loop built inside another's slice reads that
     slice's tensors (:mod:`.nested_loop`).
+
+    ``asked``: for each external input, whether a gradient inside the function asks for its gradient
+    (:func:`grappler_ext.gradients.wanted`); a fused loop computes only those as it goes (a MoCo
+    loss' negative queue, a frozen layer's weights: a [128, 65536] sum carried through the loop
+    for nothing), the others by a loop of their own that is built only where a later tape reads them.
     """
     backward_chunk = backward_chunk or chunk
     external, forward = forward_program(region, chunk, combiner, partial_specs)
@@ -463,17 +469,28 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         return forward(*values)
 
     if fused is not None:
+        own = floating if asked is None or region.scaled else [f and a for f, a in zip(floating, asked)]
+        rest = [f and not o for f, o in zip(floating, own)]
+
         @tf.custom_gradient
         def fused_region(*values):
             outputs, totals = _fused_forward(region, build, external, axes, read_whole, values, combiner,
-                                             partial_specs, chunk, floating, fused)
+                                             partial_specs, chunk, own, fused)
+            home = tf.compat.v1.get_default_graph()
 
             def grad(*upstream):
                 u = upstream[fused]
                 if u is None:
                     return [None] * len(totals)
                 u = tf.reshape(tf.convert_to_tensor(u), [])
-                return [None if g is None else g * tf.cast(u, g.dtype) for g in totals]
+                got = [None if g is None else g * tf.cast(u, g.dtype) for g in totals]
+                if any(rest) and tf.compat.v1.get_default_graph() is not home:
+                    # A tape outside the function (its backward is another graph) asking for what no
+                    # gradient inside did: a loop of their own.
+                    others = (_backward_with_prologue if region.prologue else _backward)(
+                        region, build, external, axes, read_whole, values, outputs, upstream, combiner, chunk, rest)
+                    got = [o if r else g for g, o, r in zip(got, others, rest)]
+                return got
 
             return outputs, grad
 
@@ -651,13 +668,16 @@ def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec], free: Se
 
 
 def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
-                  free: Sequence[bool] = ()):
+                  free: Sequence[bool] = (), asked: Sequence[bool] | None = None):
     """``(external, fused)``: as :func:`forward_program`, for the loop that computes its gradients as
-    it goes (:func:`fusable`, ``free`` as there: a Keras accuracy beside its loss); ``fused(*values)``
-    returns the outputs, then the inputs' gradients (so that a compile of it alone keeps them)."""
+    it goes (:func:`fusable`, ``free`` as there: a Keras accuracy beside its loss; ``asked`` as in
+    :func:`build_split`); ``fused(*values)`` returns the outputs, then the inputs' gradients (so that
+    a compile of it alone keeps them)."""
     external = external_inputs(region)
     build = _slice_builder(region, external)
     floating, axes, read_whole = _roles(region, external)
+    if asked is not None and not region.scaled:
+        floating = [f and a for f, a in zip(floating, asked)]
     target = fusable(combiner, partial_specs, free)
     if target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")

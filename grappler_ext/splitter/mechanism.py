@@ -231,10 +231,11 @@ def computed_share(options, region: Region, planned, backward: frozenset = froze
 
 
 def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: bool = False,
-          tiled: tuple[TilePlan, TilePlan] | None = None, dispatch=None) -> list[tf.Tensor]:
+          tiled: tuple[TilePlan, TilePlan] | None = None, dispatch=None, asks=None) -> list[tf.Tensor]:
     """The loop for ``region`` in ``plan``'s chunks (its gradient in ``backward_chunk``), built in
     the default graph: the roots' outputs, in order.  ``fused``: the gradients computed in the same
-    loop, in ``plan``'s chunks (where :func:`fusable`); ``tiled``: an attention's loop in these tiles
+    loop, in ``plan``'s chunks (where :func:`fusable`), of the inputs ``asks`` says a gradient inside
+    asks for (:func:`grappler_ext.gradients.wanted`); ``tiled``: an attention's loop in these tiles
     (:func:`tiles`); ``dispatch``: the loop may give way to the region as written at run time
     (:mod:`.whole_at_run`), and reads its inputs through gates."""
     combiner, specs, differentiable, counts = combined(options, region, plan)
@@ -247,7 +248,8 @@ def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: 
     else:
         outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
                               backward_chunk=backward_chunk, fused=target,
-                              values=whole_at_run.loop_values(dispatch, external_inputs(region)))
+                              values=whole_at_run.loop_values(dispatch, external_inputs(region)),
+                              asked=None if asks is None else [asks(t) for t in external_inputs(region)])
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]
@@ -335,14 +337,15 @@ def _shape_values(reader: tf.Operation, table) -> list:
     return [tf.cast(f, out.dtype) for f, out in zip(found, reader.outputs)]
 
 
-def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False) -> int:
+def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False, asks=None) -> int:
     """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
     built as a function of the region's inputs and compiled by ``measurer`` (never run).  ``fused``:
-    the loop that computes its gradients as it goes, with them."""
+    the loop that computes its gradients as it goes, with them (those ``asks`` says are asked for)."""
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
+    asked = None if asks is None else [asks(t) for t in external_inputs(region)]
     external, forward = (fused_program(region, plan.chunk, combiner, specs,
-                                       _per_partial(gradient_free(options), combiner, specs)) if fused
+                                       _per_partial(gradient_free(options), combiner, specs), asked) if fused
                          else forward_program(region, plan.chunk, combiner, specs))
     # Dimensions known only at run time are compiled at the nominal size the plan is made at.
     if region.scaled or any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):

@@ -43,6 +43,8 @@ class Beside:
       room: ``(bytes, chunk)`` given to a starved gradient loop (see the driver's growth), or zeros.
       written: where the model cannot estimate the program (an op without a byte rule), XLA's figure
         for it as written if measured, else the model's lower bound for it; else ``None``.
+      asks: whether a gradient inside the function asks for a tensor's gradient
+        (:func:`grappler_ext.gradients.wanted`); ``None``: every tensor's.
     """
 
     est: object
@@ -52,6 +54,7 @@ class Beside:
     backward: frozenset
     room: tuple[int, int] = (0, 0)
     written: int | None = None
+    asks: Callable[[object], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +237,10 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     if chunk is None:
         return Why(Code.TOP_K_TOO_SMALL, f"top-k needs chunks of at least k = {k}")
     chunks = ChunkPlan(length, chunk, int(fixed + chunk * per_unit))
-    # The backward also holds the gradients of the region's inputs.
+    # The backward also holds the gradients of the region's inputs (those a gradient asks for).
     fixed_backward = (max(fixed, constant + background(beside, backward_steps, grown) + root_out)
-                      + sum(nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs))
+                      + sum(nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs
+                            if beside.asks is None or beside.asks(r.deref())))
     # The room XLA's figure showed the rest leaves (a starved gradient loop grown) taken off what stays.
     reverse = chunk_plan.plan_chunks(length, backward_unit, max(0, fixed_backward - beside.room[0]), budget)
     backward_chunk = at_least(reverse.chunk if reverse else max(1, chunk // int(tuning.backward_cost_factor)),

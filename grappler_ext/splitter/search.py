@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from grappler_ext import graph_edit
+from grappler_ext import gradients, graph_edit
 from grappler_ext.op_types import nbytes
 from grappler_ext.splitter import (
     analysis,
@@ -43,6 +43,7 @@ class RegionSearch:
         self.order_index, self.backward, self.budget, self.result = order_index, backward, budget, result
         self.graph_outputs = {t.ref() for t in getattr(run.graph, "outputs", [])}
         self.reseed = rules.Reseed() if run.options.redraw_random else None
+        self.asks = gradients.wanted(run.graph)     # (the inputs whose gradients a loop computes)
         self.nestable: Candidate | None = None     # the best-ranked best effort whose attention can be nested
         self.found: list[Candidate] = []           # every plan best_root found for the tensor split now
         self.built: set = set()                    # the live ops earlier loops built (analysis.forget_dead)
@@ -59,7 +60,7 @@ class RegionSearch:
 
     def beside(self, tensor) -> policy.Beside:
         return policy.Beside(self.est, self.info, self.step_of, frozenset(self.run.hoped), self.backward,
-                             self.run.grow_room.get(tensor.name, (0, 0)), self.written)
+                             self.run.grow_room.get(tensor.name, (0, 0)), self.written, self.asks)
 
     def split_around(self, tensor) -> set | None:
         """Find the best root downstream of ``tensor`` and split it; the ops removed, or ``None``."""
@@ -127,7 +128,8 @@ class RegionSearch:
         fused = chunks.chunk if fusable else None                       # the forward's chunk
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
             backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
-                lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True)) or backward_chunk
+                lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True,
+                                                asks=self.asks)) or backward_chunk
         if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
@@ -154,7 +156,7 @@ class RegionSearch:
                 tiled = mechanism.tiles(options, grown.region, chunks, backward_chunk, fused is not None)
                 dispatch = whole_at_run.dispatch_for(grown.region) if tiled is None else None
                 outputs = mechanism.build(options, grown.region, chunks, backward_chunk, fused is not None, tiled,
-                                          dispatch)
+                                          dispatch, self.asks)
         except (ValueError, TypeError, KeyError, NotImplementedError) as e:
             self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                              code=Code.BUILD_FAILED)
