@@ -135,21 +135,7 @@ def carries_gradient(t: tf.Tensor) -> bool:
     whatever differentiates it (an accuracy: an ``argmax``'s integers compared with the labels,
     counted as floats).  An op without a registered gradient function is taken to have one (as
     ``tf.gradients`` would fail on it)."""
-    stack, seen = [t], set()
-    while stack:
-        x = stack.pop()
-        if x.ref() in seen or not _backpropagatable(x):
-            continue
-        seen.add(x.ref())
-        if x.dtype in (tf.resource, tf.variant) or x.op.type == "Placeholder":
-            return True
-        try:
-            if ops._gradient_registry.lookup(x.op.type) is None:   # noqa: SLF001 - NotDifferentiable
-                continue
-        except LookupError:
-            pass
-        stack.extend(x.op.inputs)
-    return False
+    return _reaches(t, lambda x: x.dtype in (tf.resource, tf.variant) or x.op.type == "Placeholder")
 
 
 def _handle(source):
@@ -179,20 +165,21 @@ def wanted(graph):
 
     def asks(t: tf.Tensor) -> bool:
         if t.ref() not in known:
-            known[t.ref()] = _reaches(t, anchors)
+            known[t.ref()] = _reaches(t, lambda x: x.ref() in anchors)
         return known[t.ref()]
 
     return asks
 
 
-def _reaches(t: tf.Tensor, anchors: set) -> bool:
-    """Whether a path of tensors gradients flow through leads from one of ``anchors`` to ``t``."""
+def _reaches(t: tf.Tensor, found) -> bool:
+    """Whether a path of tensors gradients flow through (by ops with a gradient) leads to ``t`` from
+    a tensor ``found(x)`` is true of."""
     stack, seen = [t], set()
     while stack:
         x = stack.pop()
         if x.ref() in seen or not _backpropagatable(x):
             continue
-        if x.ref() in anchors:
+        if found(x):
             return True
         seen.add(x.ref())
         try:
