@@ -196,11 +196,12 @@ def transform(graph) -> None:
     name = graph.name
     if not info.xla_compiled and not opts.rewrite_non_jit:
         # (Keras' loop over its steps calls the jit-compiled step, which is rewritten on its own)
+        calls_xla = _tf_internals.calls_xla_function(graph)
         _report(TraceReport(name, False, "skipped", "not compiled with XLA itself; the XLA-compiled functions it "
-                            "calls are rewritten on their own" if _tf_internals.calls_xla_function(graph) else
+                            "calls are rewritten on their own" if calls_xla else
                             "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
-        if not info.tf_data:
-            _say_not_xla(name, graph, opts)
+        if not info.tf_data and not calls_xla:
+            _say_not_xla(name, opts)
         return
     if info.retraced:
         # A Keras optimizer's slots or metrics built at the first step: rewriting this trace would
@@ -341,13 +342,13 @@ def _record_gradient(target, sources, output_gradients, unconnected, result) -> 
     existing.append(entry)
 
 
-def _say_not_xla(name: str, graph, opts) -> None:
+def _say_not_xla(name: str, opts) -> None:
     """Once an ``enable``: a function traced under a memory limit is not compiled with XLA, so the limit
     does not hold for it (Keras 3's ``jit_compile="auto"`` is off on CPUs, and off for a model with
-    layers XLA cannot compile, such as its random image augmentations; tf_keras' default is off)."""
+    layers XLA cannot compile, such as its random image augmentations; tf_keras' default is off).  Not
+    for a function that calls one XLA compiles (the caller checks: Keras' loop over its jit step)."""
     global _said_not_xla
-    if (_said_not_xla or not _installed or (opts.memory_limit_bytes is None and opts.memory_limit_fraction is None)
-            or _tf_internals.calls_xla_function(graph)):
+    if _said_not_xla or not _installed or (opts.memory_limit_bytes is None and opts.memory_limit_fraction is None):
         return
     _said_not_xla = True
     warnings.warn(f"tf_memsafe: `{name}` is not compiled with XLA, so nothing in it is rewritten and the memory limit "

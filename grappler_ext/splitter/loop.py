@@ -469,7 +469,7 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         return forward(*values)
 
     if fused is not None:
-        own = floating if asked is None or region.scaled else [f and a for f, a in zip(floating, asked)]
+        own = _asked(region, floating, asked)
         rest = [f and not o for f, o in zip(floating, own)]
 
         @tf.custom_gradient
@@ -667,6 +667,13 @@ def fusable(combiner: Combiner, partial_specs: Sequence[tf.TensorSpec], free: Se
     return floating[0]
 
 
+def _asked(region: Region, floating: Sequence[bool], asked: Sequence[bool] | None) -> list[bool]:
+    """The inputs a fused loop differentiates as it goes: the floating ones a gradient inside asks for
+    (``asked``, see :func:`build_split`), every floating one where that is not known or the slices
+    have run-time sizes."""
+    return list(floating) if asked is None or region.scaled else [f and a for f, a in zip(floating, asked)]
+
+
 def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs: Sequence[tf.TensorSpec],
                   free: Sequence[bool] = (), asked: Sequence[bool] | None = None):
     """``(external, fused)``: as :func:`forward_program`, for the loop that computes its gradients as
@@ -676,8 +683,7 @@ def fused_program(region: Region, chunk: int, combiner: Combiner, partial_specs:
     external = external_inputs(region)
     build = _slice_builder(region, external)
     floating, axes, read_whole = _roles(region, external)
-    if asked is not None and not region.scaled:
-        floating = [f and a for f, a in zip(floating, asked)]
+    floating = _asked(region, floating, asked)
     target = fusable(combiner, partial_specs, free)
     if target is None:
         raise ValueError("the loop cannot compute its gradients as it goes")

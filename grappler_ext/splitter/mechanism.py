@@ -246,10 +246,11 @@ def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: 
     if tiled is not None:
         outputs = tiled_loop.build_tiled(region, *tiled, combiner, specs, differentiable=differentiable)
     else:
+        external = external_inputs(region)
         outputs = build_split(region, plan.chunk, combiner, specs, differentiable=differentiable,
                               backward_chunk=backward_chunk, fused=target,
-                              values=whole_at_run.loop_values(dispatch, external_inputs(region)),
-                              asked=None if asks is None else [asks(t) for t in external_inputs(region)])
+                              values=whole_at_run.loop_values(dispatch, external),
+                              asked=None if asks is None else [asks(t) for t in external])
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]

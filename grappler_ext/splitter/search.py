@@ -124,7 +124,7 @@ class RegionSearch:
             # them, beyond the model's count: a slice takes at most a share of the budget.
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
-        draws = self.reseed is not None and any(rules.redrawn(op) for op in grown.region.ops)
+        draws = self.reseed is not None and bool(_drawn_in(grown.region))
         fused = chunks.chunk if fusable else None                       # the forward's chunk
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
             backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
@@ -202,7 +202,7 @@ class RegionSearch:
                         dynamic=grown.region.dynamic, fused=fused is not None, tiles=tiled and tiled[0].count(tiled[1]),
                         written_into=mechanism.written_variables(graph, grown.region),
                         nested=best.nest and nested_loop.record(best.nest),
-                        redrawn=tuple(op.name for op in grown.region.ops if rules.redrawn(op)) if draws else ())
+                        redrawn=_drawn_in(grown.region) if draws else ())
         self.result.rewrote(roots + grown.region.ops, plan.render(),
                             bytes_before=analysis.materialised_bytes(grown.included, self.info),
                             bytes_after=chunks.predicted_bytes,
@@ -225,7 +225,7 @@ class RegionSearch:
             best = self.best_root(candidates, tensor, beside, [])
         finally:
             self.reseed, self.grown, self.found, self.nestable = kept
-        draws = () if best is None else tuple(sorted(op.name for op in best.grown.region.ops if rules.redrawn(op)))
+        draws = () if best is None else _drawn_in(best.grown.region)
         return Redrawable(draws) if draws else None
 
     def nest_in(self, grown, planned) -> nesting.Nest | None:
@@ -341,6 +341,11 @@ class RegionSearch:
                                                           t.prologue_ops, t.prologue_min_bytes)
             self.grown[key] = found
         return found
+
+
+def _drawn_in(region) -> tuple[str, ...]:
+    """The random draws among ``region``'s ops that a loop draws again (:func:`.rules.redrawn`), by name."""
+    return tuple(sorted(op.name for op in region.ops if rules.redrawn(op)))
 
 
 def _option_key(option: analysis.RootOption) -> tuple:
