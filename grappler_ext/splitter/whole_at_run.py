@@ -19,7 +19,9 @@ So each loop's readers read ``where(fits, region as written, loop)`` (:func:`ins
 the region's ops stay in the graph, reading their inputs through *gates*, identities whose gradient
 passes where ``fits`` holds and is zero elsewhere, and the loop reads its inputs through gates open
 where it does not; the gradients inside the function are then differentiated again through both
-sides.  Where the program fits, XLA keeps the region as written and its gradient and drops the loop's
+sides.  A region's ops that something outside it also reads (a loop built before it, reading a layer
+the region recomputes) run on either side: they read their inputs ungated, and the rest of the
+region reads them through gates, so that their gradient keeps that reader's share.  Where the program fits, XLA keeps the region as written and its gradient and drops the loop's
 forward and gradient: the program is the unsplit one, to the byte and to the bit (tested).  Elsewhere
 it keeps the loop and drops the region.  A loop that cannot give way (its region holds a stateful
 op, which XLA keeps even where nothing reads it, or writes a variable in place) takes the whole length
@@ -310,14 +312,17 @@ def install(graph, scope: str) -> int:
     state = _ACTIVE.get()
     if state is None or not state.pending:
         return 0
+    live, backward = graph_query.live_ops(graph), gradients.backward_ops(graph)
     with graph_edit.building(graph, scope):
         whole = fits()
         closed = tf.logical_not(whole)
         for dispatch in state.pending:
             gates: dict = {}
-            for op in sorted(dispatch.ops, key=lambda o: o._id):  # noqa: SLF001 - creation order
+            shared = _read_outside(dispatch.ops, live, backward)
+            for op in sorted(dispatch.ops - shared, key=lambda o: o._id):  # noqa: SLF001 - creation order
                 for i, x in enumerate(op.inputs):
-                    if x.op in dispatch.ops or not _differentiable(x):
+                    # (a shared op's value is gated where the rest of the region reads it)
+                    if (x.op in dispatch.ops and x.op not in shared) or not _differentiable(x):
                         continue
                     if x.ref() not in gates:
                         gates[x.ref()] = _gate(x, lambda: whole)
@@ -338,6 +343,21 @@ def install(graph, scope: str) -> int:
         finally:
             _REBUILDING.reset(token)
     return len(state.pending)
+
+
+def _read_outside(region_ops: frozenset, live: set, backward: set) -> frozenset:
+    """The region's ops whose values something outside it reads, and the region's ops those depend on.
+
+    A region may hold ops whose values a live op of the forward outside it reads: another loop (a
+    forward loop built before, reading a layer's output the region recomputes slice by slice), or a
+    branch the region did not grow into.  As written they run whether the program fits or not, and
+    their gradient carries that reader's as well as the region's, so their inputs are not gated: a gate
+    closed where the program does not fit would drop the reader's share (a training step's first
+    layer lost its attention's share of the gradient).  The recorded gradients' own ops
+    (``backward``) are not readers: they are built again through the choice."""
+    read = [op for op in region_ops
+            if any(c not in region_ops and c in live and c not in backward for o in op.outputs for c in o.consumers())]
+    return frozenset(graph_query.ancestor_ops(read) & region_ops) if read else frozenset()
 
 
 def _choose(whole: tf.Tensor, old: list, new: list) -> list:

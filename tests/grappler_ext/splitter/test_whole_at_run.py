@@ -212,3 +212,32 @@ def test_tuning_whole_at_run_accepts_zero_and_refuses_what_is_not_a_share():
     for bad in (-0.1, 1.5, True, "0.5"):
         with pytest.raises(ValueError, match="whole_at_run"):
             Tuning(whole_at_run=bad)
+
+
+_W = tf.constant(np.random.RandomState(0).randn(16, 16).astype(np.float32) / 4)
+
+
+def shared_step(x):
+    """A layer's output ``h`` that the attention's region recomputes and another loop (the penalty's)
+    reads: the two regions share the layer."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        h = tf.tanh(tf.einsum("ble,ef->blf", x, _W))
+        loss = attention_loss(h) + tf.reduce_sum(tf.sin(h) ** 2)
+    return loss, tape.gradient(loss, x)
+
+
+def test_a_layer_another_loop_reads_keeps_that_loops_gradient_where_the_program_does_not_fit(limit):
+    """Where the program does not fit, a region's ops as written are closed to the gradient, except
+    those something outside the region reads (here the penalty's loop reads the layer ``h`` the
+    attention's region holds): their gradient carries that reader's share.  Closed too, the penalty's
+    share of ``x``'s gradient was dropped at [4, 512] (every element wrong); where the program fits
+    (XLA drops both loops), and with whole_at_run off, it was right."""
+    f, records = _padded(shared_step, limit, split_always=False)
+    assert sum(r.code == Code.SPLIT for r in records) == 2, [r.reason for r in records]
+    naive = tf.function(shared_step, jit_compile=True)
+    for b, n in ((4, 64), (4, 512)):
+        x = _batch(b, n)
+        assert (max(trip_counts(f, x), default=0) > 1) == (n == 512), (b, n, trip_counts(f, x))
+        _close(f(x), naive(x), f"[{b}, {n}]")
+    assert _footprint(f, tf.TensorSpec([4, 512, 16]), limit) <= limit
