@@ -15,17 +15,18 @@ shape-derived values then, so a predicate computed from the inputs' shapes is a 
 constant, and a ``select`` on it is folded to the side it picks: what only the other side reads is
 dead, and XLA removes it, loops included.
 
-So each loop's readers read ``where(fits, region as written, loop)`` (:func:`install`, after the plan):
-the region's ops stay in the graph, reading their inputs through *gates*, identities whose gradient
-passes where ``fits`` holds and is zero elsewhere, and the loop reads its inputs through gates open
-where it does not; the gradients inside the function are then differentiated again through both
-sides.  A region's ops that something outside it also reads (a loop built before it, reading a layer
-the region recomputes) run on either side: they read their inputs ungated, and the rest of the
-region reads them through gates, so that their gradient keeps that reader's share.  Where the program fits, XLA keeps the region as written and its gradient and drops the loop's
-forward and gradient: the program is the unsplit one, to the byte and to the bit (tested).  Elsewhere
-it keeps the loop and drops the region.  A loop that cannot give way (its region holds a stateful
-op, which XLA keeps even where nothing reads it, or writes a variable in place) takes the whole length
-as its chunk where the program fits (:func:`~.loop._scaled`), and runs once.
+So each loop's readers read ``where(fits, region as written, loop)`` (:func:`install`, after the
+plan): the region's ops stay in the graph, reading their inputs through *gates*, identities whose
+gradient passes where ``fits`` holds and is zero elsewhere, and the loop reads its inputs through
+gates open where it does not; the gradients inside the function are then differentiated again
+through both sides.  A region's ops that something outside it also reads (a loop built before it,
+reading a layer the region recomputes) run on either side: they read their inputs ungated, and the
+rest of the region reads them through gates, so that their gradient keeps that reader's share.  Where
+the program fits, XLA keeps the region as written and its gradient and drops the loop's forward and
+gradient: the program is the unsplit one, to the byte and to the bit (tested).  Elsewhere it keeps
+the loop and drops the region.  A loop that cannot give way (its region holds a stateful op, which
+XLA keeps even where nothing reads it, or writes a variable in place) takes the whole length as its
+chunk where the program fits (:func:`~.loop._scaled`), and runs once.
 
 The predicate is the memory model's count of the program as written (:mod:`grappler_ext.memory_model`),
 read symbolically: every buffer's bytes at the nominal sizes and how they grow with the run-time sizes
