@@ -1038,6 +1038,12 @@ def _cross_entropy(op, output_index, axis):
     return Propagation((0, 0), (0, 0))
 
 
+# in_top_k(p, t, k)[s:s+c] = in_top_k(p[s:s+c], t[s:s+c], k)    each row alone (Keras' top-k accuracy).
+@rule("InTopKV2")
+def _in_top_k(op, output_index, axis):
+    return Propagation((0, 0, None), (0,))
+
+
 # top_k(x, k)[i][.., s:s+c, :] = top_k(x[.., s:s+c, :], k)[i]    values and indices alike; not the
 # last axis, which it selects along.  Each slice's top-k is blocked where that is faster.
 @rule("TopKV2")

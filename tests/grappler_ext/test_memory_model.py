@@ -394,6 +394,16 @@ class TestLibrary:
         assert estimate(trace(lambda a: tf.linalg.svd(a, compute_uv=False),
                               spec(2000, 500))).peak_bytes == 46 * MB + 2_000
 
+    def test_in_top_k_scratch(self):
+        """Keras' top-k accuracy on [4096, 1000] f32 scores, k = 5: an s32 comparison of their shape
+        and partial sums [4096, 32] beside them, 16,924,672 bytes in all beside the scores' 16,384,000,
+        the targets' 16,384 and the output's 4,096 (XLA: 33,329,196); rows of 7 fuse: 4,000."""
+        ints = tf.TensorSpec([4096], tf.int32)
+        g = trace(lambda p, t: tf.math.in_top_k(t, p, 5), spec(4096, 1000), ints)
+        assert estimate(g).peak_bytes == 16_384_000 + 16_384 + 4_096 + 16_924_672
+        g = trace(lambda p, t: tf.math.in_top_k(t, p, 5), spec(1000, 7), tf.TensorSpec([1000], tf.int32))
+        assert estimate(g).peak_bytes == 28_000 + 4_000 + 1_000 + 4_000
+
     def test_softmax_is_written_over_its_operand(self):
         """softmax(x @ w): the scores (4 MB) become the output; one row vector of scratch (4 kB):
         8 + 4 + 4,000 = 12,004,000 (XLA: 12,004,024)."""

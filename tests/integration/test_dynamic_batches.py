@@ -5,8 +5,9 @@ An MLP written the ordinary way (two ``Dense(1024, relu)`` layers on 64 features
 cross-entropy, SGD), 5000 examples in batches of 2048 (the last 904), under a 30 MB limit.  The
 step is planned at a nominal batch where what grows with it is 4x the limit (7172 rows: each
 [7172, 1024] activation is 29 MB, the naive step over 100 MB by the memory model) and its loops read
-the batch when the step runs.  Both Keras versions: losses equal to the unsplit fit's, one loop with
-a run-time length, within the limit by XLA's figure at the nominal batch, and nothing said.
+the batch when the step runs; a top-k accuracy metric (``InTopKV2``) is split with the rows.  Both
+Keras versions: losses equal to the unsplit fit's, one loop with a run-time length, within the limit
+by XLA's figure at the nominal batch, and nothing said.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _fit(keras, enabled: bool):
     model = keras.Sequential([keras.Input([FEATURES]), keras.layers.Dense(HIDDEN, activation="relu"),
                               keras.layers.Dense(HIDDEN, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.SparseTopKCategoricalAccuracy(3)])    # (an `InTopKV2`)
     return fit_under(model, data, LIMIT if enabled else None)
 
 

@@ -290,6 +290,7 @@ for _k in (0, 1):
          id=f"SoftmaxCrossEntropyWithLogits-output{_k}")
     case("TopKV2", lambda x, k=_k: tf.math.top_k(x, 2)[k], [_data([3, 4, 6], F32)], output_index=_k,
          refused={2: "`TopKV2` selects along axis 2"}, id=f"TopKV2-output{_k}")
+case("InTopKV2", lambda p, t: tf.math.in_top_k(t, p, 2), [_data([6, 5], F32), _data([6], I32, low=0, high=5)])
 # Fused batch norm: tf_keras' LayerNormalization (training statistics over [1, B * L, D, 1] in NCHW),
 # the batch norm of a convolution (NHWC), inference with given statistics, and the gradient.
 _empty = tf.zeros([0], F32)
