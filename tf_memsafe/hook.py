@@ -34,6 +34,7 @@ import tensorflow as tf
 from grappler_ext import gradients, graph_query
 from grappler_ext.pipeline import Pipeline, PipelineError, PipelineResult, default_pipeline
 from grappler_ext.splitter.outcome import Code, NominalSize, megabytes
+from grappler_ext.splitter.rules import redrawable_draws
 from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check, tape_check
 from tf_memsafe.errors import RewriteError
 
@@ -286,7 +287,8 @@ def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
     # (a plan over the limit at its nominal sizes judges none: every shape the function runs at is checked)
     run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes,
                     planned_within=all(plan.within for plan in nominal),
-                    no_smaller_plan=any(rec.code == Code.NO_SMALLER for rec in report.records))
+                    no_smaller_plan=any(rec.code == Code.NO_SMALLER for rec in report.records),
+                    draws=() if opts.redraw_random else tuple(redrawable_draws(report.records)))
 
 
 def _check_call(concrete, tensor_inputs):

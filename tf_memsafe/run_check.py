@@ -34,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from grappler_ext.splitter import nominal
+from grappler_ext.splitter import nominal, rules
 from tf_memsafe import _tf_internals
 from tf_memsafe.units import format_bytes
 
@@ -78,8 +78,10 @@ class Watch:
     for the graph's program at those argument shapes, :func:`tf_memsafe.memory.graph_bytes`)."""
 
     def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
-                 measure: Callable[[Any, list], int], planned_within: bool = True, no_smaller_plan: bool = False):
+                 measure: Callable[[Any, list], int], planned_within: bool = True, no_smaller_plan: bool = False,
+                 draws: tuple[str, ...] = ()):
         self._measure_bytes = measure
+        self.draws = draws                           # random draws that stopped regions redraw_random would split
         self.no_smaller_plan = no_smaller_plan       # the splitter's plan, no smaller than as written, undone
         captured = {internal.name for _, internal in graph.captures}
         arguments = [t for t in graph.inputs if t.name not in captured]
@@ -150,6 +152,10 @@ class Watch:
             advice = ("Give the function the shapes it runs at (an input_signature with static shapes; tf.data's "
                       f"batch(..., drop_remainder=True) or padded_batch with padded_shapes) {fix}, or raise "
                       "memory_limit.")
+        if self.draws:
+            # (a draw kept whole stops the regions through it, at any shapes: what helps first is the option)
+            advice = (f"A random draw (`{self.draws[0]}`) stops the regions through it: {rules.REDRAW_ADVICE}. "
+                      f"Otherwise, {advice[0].lower()}{advice[1:]}")
         return (f"tf_memsafe: `{self.name}` {what}: there XLA's figure for it is {format_bytes(result.bytes)}, over "
                 f"the limit of {format_bytes(self.limit)}. {advice} Said once for this function; its later "
                 "shapes are not checked.")
@@ -157,12 +163,13 @@ class Watch:
 
 def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
           measure: Callable[[Any, list], int], planned_within: bool = True,
-          no_smaller_plan: bool = False) -> Watch | None:
+          no_smaller_plan: bool = False, draws: tuple[str, ...] = ()) -> Watch | None:
     """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
     where they name every input of run-time sizes and the plan was within the limit there
     (``planned_within``); ``None`` where it has none.  ``no_smaller_plan``: the splitter undid its plan,
-    no smaller than the program as written (said where a shape is over)."""
-    w = Watch(graph, planned, limit, checks, measure, planned_within, no_smaller_plan)
+    no smaller than the program as written; ``draws``: random draws that stopped regions which
+    ``redraw_random`` would let through (each said where a shape is over)."""
+    w = Watch(graph, planned, limit, checks, measure, planned_within, no_smaller_plan, draws)
     if not w.positions:
         return None
     setattr(graph, WATCH_ATTR, w)

@@ -20,7 +20,7 @@ from grappler_ext.measure import Figure, Measurer, program_figure
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, outcome, policy, rules, search, whole_at_run
-from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize
+from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize, Redrawable
 from grappler_ext.splitter.search_budget import SearchBudget
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
@@ -168,8 +168,9 @@ class _Run:
             self.result, self.notes, self.pending, self.entry_over = (PassResult(self.name), PassResult(self.name),
                                                                       [], None)
             self.written_figure = None
-            # (a plan no smaller than as written at those sizes: recorded; each run shape is checked)
-            self.result.records += [r for r in result.records if r.code == Code.NO_SMALLER]
+            # (a plan no smaller than as written there, or a draw stopping one: recorded for the run's checks)
+            self.result.records += [r for r in result.records
+                                    if r.code == Code.NO_SMALLER or isinstance(r.plan, Redrawable)]
             return None
         said = [f"at {at.describe(size)} known only at run time ({shown}): {m}" for m in dict.fromkeys(self.pending)]
         # Sizes of the splitter's choosing (what grows there is Tuning.dynamic_over x the limit), not the
@@ -604,8 +605,7 @@ class _Run:
                 trust_model = False
                 result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, but "
                                 f"XLA's figure is {figure.bytes:,} B, over the limit: the large tensors left are split "
-                                "too",
-                            code=Code.CHECKED_OVER)
+                                "too", code=Code.CHECKED_OVER)
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
         done_names = {op.name for op in done}

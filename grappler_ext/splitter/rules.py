@@ -236,10 +236,18 @@ def redraw_hint(records, redraw: bool) -> str:
     (``Code.RANDOM_DRAW``), which names the option itself, nothing more."""
     if redraw or not records or records[0].code == Code.RANDOM_DRAW:
         return ""
-    draws = sorted(name for r in records if isinstance(r.plan, Redrawable) for name in r.plan.draws)
-    return (f"; a random draw (`{draws[0]}`) stops the regions through it: enable tf_memsafe with "
-            "redraw_random=True to let a loop draw other random numbers of the same distribution slice by slice"
-            if draws else "")
+    draws = redrawable_draws(records)
+    return f"; a random draw (`{draws[0]}`) stops the regions through it: {REDRAW_ADVICE}" if draws else ""
+
+
+REDRAW_ADVICE = ("enable tf_memsafe with redraw_random=True to let a loop draw other random numbers of the same "
+                 "distribution slice by slice")
+
+
+def redrawable_draws(records) -> list[str]:
+    """The random draws that stopped regions which drawing again slice by slice would let through (the
+    :class:`~.outcome.Redrawable` plans of ``records``), each once, sorted."""
+    return sorted({name for r in records if isinstance(r.plan, Redrawable) for name in r.plan.draws})
 
 
 @dataclasses.dataclass
