@@ -21,7 +21,9 @@ Where the region's one floating output is a scalar combined by a sum or a mean a
 inside the function differentiate it (the loss), ``forward`` can do both at once
 (:func:`_fused_forward`): each step computes its slice and that slice's gradients for an upstream
 of one, summed (or written, for inputs read sliced) in the loop's carry, and ``backward`` only
-multiplies them by the upstream scalar.  A slice is then computed once, not twice.
+multiplies them by the upstream scalar.  A slice is then computed once, not twice.  Those gradients
+are differentiated again, where a tape outside asks (a gradient penalty), through the loop built
+anew in the backward program (:func:`_held`).
 
 Why ``custom_gradient``: with the tape outside a ``jit_compile=True`` function, TensorFlow's own
 gradient of a while loop stacks the loop's intermediates in TensorLists that cross the XLA/TF
@@ -472,10 +474,14 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         own = _asked(region, floating, asked)
         rest = [f and not o for f, o in zip(floating, own)]
 
+        def fused_totals(values):
+            return _fused_forward(region, build, external, axes, read_whole, values, combiner, partial_specs,
+                                  chunk, own, fused)
+
         @tf.custom_gradient
         def fused_region(*values):
-            outputs, totals = _fused_forward(region, build, external, axes, read_whole, values, combiner,
-                                             partial_specs, chunk, own, fused)
+            outputs, totals = fused_totals(values)
+            totals = _held(totals, values, lambda again: fused_totals(again)[1])
             home = tf.compat.v1.get_default_graph()
 
             def grad(*upstream):
@@ -511,6 +517,35 @@ def build_split(region: Region, chunk: int, combiner: Combiner, partial_specs: S
         return outputs, replay.once(grad, region)
 
     return list(split_region(*values))
+
+
+def _held(totals: Sequence, values: Sequence[tf.Tensor], again: Callable[[list], Sequence]) -> list:
+    """``totals`` (the gradients a fused loop computed as it went, for the gradients inside the function
+    to read), differentiable again by a loop built anew: where something differentiates what they
+    computed (a tape outside the function differentiating a gradient the function returns: a gradient
+    penalty), their gradient is that of ``again(values)`` (the loop built again where it is asked
+    for), not TensorFlow's gradient of the loop that computed them.  From a tape outside the function
+    that one would stack the loop's intermediates in TensorLists crossing the XLA/TF boundary from the
+    forward program to the backward one, which XLA rejects ("Support for TensorList crossing the
+    XLA/TF boundary is not implemented").  The loop built again is differentiated by TensorFlow, its
+    intermediates stacked within the backward program: that second order is not split."""
+    present = [t for t in totals if t is not None]
+    if not present:
+        return list(totals)
+
+    @tf.custom_gradient
+    def held(*vals):
+        def grad(*upstream):
+            fresh = [t for t in again(list(vals)) if t is not None]
+            pairs = [(f, u) for f, u in zip(fresh, upstream) if u is not None]
+            if not pairs:
+                return [None] * len(vals)
+            return tf.gradients([f for f, _ in pairs], list(vals), grad_ys=[u for _, u in pairs])
+
+        return [tf.identity(t) for t in present], grad
+
+    out = iter(held(*values))
+    return [None if t is None else next(out) for t in totals]
 
 
 def _backward(region, build, external, axes, read_whole, values, outputs, upstream, combiner, chunk, floating,

@@ -308,6 +308,36 @@ class TestInputsNoGradientAsksFor:
             np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("inputs", ["x", "weights"])
+def test_a_tape_outside_differentiates_the_gradients_the_loop_computed(inputs):
+    """A gradient penalty: the step returns its loss and gradients, and a tape outside the function
+    differentiates their squares (second order).  TensorFlow's gradient of the fused loop stacked its
+    intermediates in TensorLists crossing from the forward program to the backward one, and XLA
+    refused the call ("Support for TensorList crossing the XLA/TF boundary"); the loop is now built
+    again in the backward program, and the outer gradients equal the step's as written.  That second
+    order is not split: the backward is over the limit, and the tape check says so."""
+    weights = variables()
+
+    def step(x, t):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            value = mse(x, t, weights)
+        return value, tape.gradient(value, x if inputs == "x" else weights)
+
+    def outer(fn):
+        with tf.GradientTape() as tape:
+            value, grads = fn(X, TARGET)
+            penalty = value + sum(tf.reduce_sum(g ** 2) for g in tf.nest.flatten(grads))
+        return penalty, tape.gradient(penalty, weights)
+
+    expected = outer(tf.function(step, jit_compile=True))
+    tf_memsafe.enable(LIMIT, strict=True)
+    with splitter_only(), pytest.warns(RuntimeWarning, match="called under a GradientTape outside it runs"):
+        got = outer(tf.function(step, jit_compile=True))
+    assert any(p.fused for p in loops()), [p.render() for p in loops()]
+    assert_close(got, expected)
+
+
 class TestMustNotFuse:
     """Where a slice's gradient needs what only the backward knows, the loop stays a forward loop
     with a gradient loop of its own."""
