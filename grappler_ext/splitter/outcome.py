@@ -120,9 +120,11 @@ class Why:
 @dataclasses.dataclass(frozen=True)
 class Redrawable:
     """A tensor no region could split for which a region drawing ``draws`` again slice by slice would
-    be planned (``Options.redraw_random``): what the warning may advise (on its skip record's plan)."""
+    be planned (``Options.redraw_random``): what the warning may advise (on its skip record's plan).
+    ``for_loop``: the tensor is the draw itself, held whole for a loop built before that reads it."""
 
     draws: tuple[str, ...]
+    for_loop: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +165,15 @@ class Sizing(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class BestEffort:
     """The limit cannot be met by a loop: the bytes it still needs (forward) or that stay while its
-    backward runs (``by_backward``), and where the region stops, if it stops early, or what the rest of
-    the program holds beside the loop (``beside``), where that alone is over the limit."""
+    backward runs (``by_backward``), and where the region stops, if it stops early (``stop``, and why:
+    ``stop_code``), or what the rest of the program holds beside the loop (``beside``), where that alone
+    is over the limit."""
 
     needed_bytes: int
     by_backward: bool = False
     stop: str = ""
     beside: str = ""
+    stop_code: Code | None = None
 
     def render(self) -> str:
         if self.by_backward:

@@ -231,7 +231,8 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
             return Why(Code.NO_PLAN, f"{described}: {chunks.reason}" + (
                 f"; the region stops where {stop}" if stop else ""))
         chunks = ChunkPlan(length, chunk, int(predicted))
-        best_effort = BestEffort(chunks.predicted_bytes, stop=stop, beside=rest)
+        best_effort = BestEffort(chunks.predicted_bytes, stop=stop, beside=rest,
+                                 stop_code=grown.stops[0].code if grown.stops and not rest else None)
     k = top_k(options)
     chunk = at_least(chunks.chunk, length, k)
     if chunk is None:

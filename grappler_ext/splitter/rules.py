@@ -233,11 +233,18 @@ def redraw_hint(records, redraw: bool) -> str:
     :class:`~.outcome.Redrawable`), what turning it on allows (the region through the draw stopped
     there, and its refusal may read as another reason: a draw's sum also feeding a variable's
     update); else nothing.  ``records[0]`` is the one the warning shows: where it is a draw's refusal
-    (``Code.RANDOM_DRAW``), which names the option itself, nothing more."""
-    if redraw or not records or records[0].code == Code.RANDOM_DRAW:
+    (``Code.RANDOM_DRAW``), or a best effort whose region stops at a draw, which name the option
+    themselves, nothing more."""
+    effort = getattr(records[0].plan, "best_effort", None) if records else None
+    if (redraw or not records or records[0].code == Code.RANDOM_DRAW
+            or (effort is not None and effort.stop_code == Code.RANDOM_DRAW)):
         return ""
     draws = redrawable_draws(records)
-    return f"; a random draw (`{draws[0]}`) stops the regions through it: {REDRAW_ADVICE}" if draws else ""
+    if not draws:
+        return ""
+    held = any(isinstance(r.plan, Redrawable) and r.plan.for_loop and draws[0] in r.plan.draws for r in records)
+    return (f"; the random draw `{draws[0]}` is held whole for a loop that reads it" if held else
+            f"; a random draw (`{draws[0]}`) stops the regions through it") + f": {REDRAW_ADVICE}"
 
 
 REDRAW_ADVICE = ("enable tf_memsafe with redraw_random=True to let a loop draw other random numbers of the same "

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 
 from grappler_ext import gradients, graph_edit
-from grappler_ext.op_types import nbytes
+from grappler_ext.op_types import LOOP_TYPES, nbytes
 from grappler_ext.splitter import (
     analysis,
     mechanism,
@@ -217,6 +217,10 @@ class RegionSearch:
         def drawn(grown) -> bool:                 # (a region grown so far stopped at a draw)
             return any(w.code == Code.RANDOM_DRAW for w in ([grown] if isinstance(grown, Why) else grown.stops))
 
+        if self.reseed is None and rules.redrawn(tensor.op) and _read_by_loop(tensor):
+            # A draw held whole for a loop built before (a Keras dropout's mask of attention scores read
+            # by the loss' loop): with the option, the loop's region takes the draw in.
+            return Redrawable((tensor.op.name,), for_loop=True)
         if self.reseed is not None or not any(drawn(g) for g in self.grown.values()):
             return None
         kept = self.reseed, self.grown, self.found, self.nestable
@@ -341,6 +345,19 @@ class RegionSearch:
                                                           t.prologue_ops, t.prologue_min_bytes)
             self.grown[key] = found
         return found
+
+
+def _read_by_loop(t) -> bool:
+    """Whether a loop reads ``t`` (through identities: a gate, a custom gradient's)."""
+    seen, stack = set(), [t]
+    while stack:
+        for reader in stack.pop().consumers():
+            if reader.type in LOOP_TYPES:
+                return True
+            if reader.type in ("Identity", "IdentityN") and reader not in seen:
+                seen.add(reader)
+                stack.extend(reader.outputs)
+    return False
 
 
 def _drawn_in(region) -> tuple[str, ...]:
