@@ -332,9 +332,10 @@ class _Run:
             for code in (Code.LARGE_JOINS_ALLOWED, Code.OTHER_SIZES):
                 if not (self.pending or (measured is not None and measured > wanted)) or not self.searching():
                     break
-                way = self._another_way(code, tried)
-                if way is None:
+                if (way := self._another_way(code, tried)) is None:
                     continue
+                if not self.budget.affords_another_plan():     # (a plan, and the first again if not kept)
+                    break
                 change, what, gain = way
                 first_warnings = list(self.pending)
                 first_bytes, _ = self._size(after, measured)
@@ -419,8 +420,7 @@ class _Run:
                 + ("axes" if self.growth is None else "run-time sizes") + " first", self.tuning.other_sizes_gain)
 
     def _set_ways(self, ways: dict) -> None:
-        """The ways of planning :meth:`_split` may change (``relaxed``, ``avoid``) as a run starts with
-        them, but for ``ways``."""
+        """The ways :meth:`_split` may change (``relaxed``, ``avoid``) as a run starts, but for ``ways``."""
         self.relaxed, self.avoid = ways.get("relaxed", False), ways.get("avoid", frozenset())
 
     def _size(self, after, measured) -> tuple[int | None, int | None]:

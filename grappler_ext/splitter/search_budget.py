@@ -12,7 +12,11 @@ plan built by then stands, measured, and warned about if over.
 
 A plan is sometimes built again (undone to try another way, then wanted after all): it is built
 with the answers it got the first time (:meth:`SearchBudget.replay`), so that it is the same plan,
-whose figures are known.
+whose figures are known.  So planning another way costs a plan and, where it is not kept, the first
+built again: it is started only where the budget leaves time for both, at the last plan's duration
+(:meth:`SearchBudget.affords_another_plan`).  A Keras ViT's step on batches of run-time size took
+about 30 s a plan: its first call spent 55 s on a plan along other sizes that was not kept, and the
+first built again.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class SearchBudget:
         self.tuning, self.on_stop = tuning, on_stop
         self.started, self.longest_compile = time.perf_counter(), 0.0
         self.stopped = False
+        self.last_plan_s = 0.0                     # how long the last plan took to build
         self.log: list[bool] = []                  # the answers while the current plan was built
         self._replaying: list[bool] | None = None
 
@@ -49,11 +54,30 @@ class SearchBudget:
         self.log.append(answer)
         return answer
 
+    def affords_another_plan(self) -> bool:
+        """Whether the run may plan again another way: :meth:`allows`, and the budget leaves time for a
+        plan as long as the last one built and for the first built again (where the other is not kept);
+        the first time it does not, ``on_stop`` gets why, and the search stops."""
+        if not self.allows():
+            return False
+        elapsed, budget = time.perf_counter() - self.started, self._budget()
+        if elapsed + 2 * self.last_plan_s <= budget:
+            return True
+        self.stopped = True
+        self.on_stop(f"searched for a plan for {elapsed:.0f} s of its budget of {budget:.0f} s: planning again "
+                     f"another way would take about {2 * self.last_plan_s:.0f} s more (a plan took "
+                     f"{self.last_plan_s:.0f} s, and the first is built again where the other is not smaller), so "
+                     "the plan built stands, searched no further")
+        return False
+
+    def _budget(self) -> float:
+        return max(self.tuning.search_floor_s, self.tuning.search_budget * self.longest_compile)
+
     def _within(self) -> bool:
         if self.stopped:
             return False
         t, elapsed = self.tuning, time.perf_counter() - self.started
-        budget = max(t.search_floor_s, t.search_budget * self.longest_compile)
+        budget = self._budget()
         if elapsed <= budget:
             return True
         self.stopped = True
@@ -67,9 +91,10 @@ class SearchBudget:
     def replay(self, answers: list[bool] | None) -> Iterator[list[bool]]:
         """Within: a plan built, its answers logged into the list yielded; or, given ``answers`` (a plan
         built before), those answers given again in order."""
-        saved = self.log, self._replaying
+        saved, start = (self.log, self._replaying), time.perf_counter()
         self.log, self._replaying = [], None if answers is None else list(answers)
         try:
             yield self.log if answers is None else list(answers)
         finally:
             self.log, self._replaying = saved
+            self.last_plan_s = time.perf_counter() - start
