@@ -13,7 +13,7 @@ built without a measurer plans by the memory model alone, and the pipeline's mem
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import tensorflow as tf
@@ -60,6 +60,31 @@ class Figure:
         return f"; not checked with XLA: {self.failure}" if self.failure else ""
 
 
+def program_figure_later(measurer: Measurer | None, graph) -> Callable[[], Figure] | None:
+    """XLA's figure for ``graph`` as it stands now, compiled when the result is called (the graph may
+    change in between), where ``measurer`` can copy a program to compile later
+    (``program_bytes_later(graph)``, optional in :class:`Measurer`); else ``None``."""
+    later = getattr(measurer, "program_bytes_later", None)
+    if later is None:
+        return None
+    try:
+        copy = later(graph)
+    except Exception as e:  # noqa: BLE001 - the figure says why, when asked
+        failed = _failed(e)
+        return lambda: failed
+
+    def figure() -> Figure:
+        try:
+            return Figure(copy())
+        except Exception as e:  # noqa: BLE001 - the model's word stands; the record says why
+            return _failed(e)
+    return figure
+
+
+def _failed(e: Exception) -> Figure:
+    return Figure(failure=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+
+
 _MEMO = "_grappler_ext_figure"     # on a graph: (measurer, journal, version, nominal size, Figure) of its last measure
 
 
@@ -80,7 +105,7 @@ def program_figure(measurer: Measurer | None, graph) -> Figure:
     try:
         figure = Figure(measurer.program_bytes(graph))
     except Exception as e:  # noqa: BLE001 - the model's word stands; the record says why
-        figure = Figure(failure=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        figure = _failed(e)
     if journal is not None:
         setattr(graph, _MEMO, (measurer, journal, journal.version, size, figure))
     return figure

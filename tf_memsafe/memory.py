@@ -24,7 +24,7 @@ import hashlib
 import inspect
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
@@ -395,6 +395,32 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
     initialized yet (one created in this very trace, such as a Keras optimizer's slots at its first
     step: it is initialized only after the trace).
     """
+    fn, specs = _program_copy(graph, shapes_at)
+    with tf.init_scope():
+        return compiled_bytes(fn, *specs)
+
+
+def graph_bytes_later(graph) -> Callable[[], int]:
+    """:func:`graph_bytes` of ``graph`` as it stands now, compiled when the result is called: the
+    graph may change in between (the splitter weighs a plan over the limit against the program as
+    written without undoing the plan and building it again).  An error is raised by the call."""
+    try:
+        fn, specs = _program_copy(graph, None)
+    except Exception as e:  # noqa: BLE001 - raised where the figure is asked for, as graph_bytes would
+        failure = e
+
+        def figure() -> int:
+            raise failure
+        return figure
+
+    def figure() -> int:
+        with tf.init_scope():
+            return compiled_bytes(fn, *specs)
+    return figure
+
+
+def _program_copy(graph, shapes_at):
+    """The function :func:`graph_bytes` compiles for ``graph`` as it stands, and the specs to compile it for."""
     outputs = [t for t in getattr(graph, "outputs", []) if t is not None]
     if not outputs:
         raise MeasurementError(f"`{graph.name}` has no outputs to compile")
@@ -428,9 +454,7 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
         return tf.graph_util.import_graph_def(definition, input_map=mapping, name="",
                                               return_elements=[t.name for t in outputs])
 
-    fn = tf.function(copy, jit_compile=True, autograph=False)
-    with tf.init_scope():
-        return compiled_bytes(fn, *specs)
+    return tf.function(copy, jit_compile=True, autograph=False), specs
 
 
 class XlaMeasurer:
@@ -440,6 +464,9 @@ class XlaMeasurer:
 
     def program_bytes(self, graph) -> int:
         return graph_bytes(graph)
+
+    def program_bytes_later(self, graph) -> Callable[[], int]:
+        return graph_bytes_later(graph)
 
     def function_bytes(self, fn, specs) -> int:
         return compiled_bytes(fn, *specs)

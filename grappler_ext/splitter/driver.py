@@ -16,7 +16,7 @@ import time
 
 from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model, shapes
 from grappler_ext.graph_query import live_ops, topological_order
-from grappler_ext.measure import Figure, Measurer, program_figure
+from grappler_ext.measure import Figure, Measurer, program_figure, program_figure_later
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
 from grappler_ext.splitter import analysis, mechanism, nominal, outcome, policy, rules, search, whole_at_run
@@ -326,6 +326,7 @@ class _Run:
         journal = graph_edit.active_journal()
         result, wanted = self.result, self.limit
         mark = len(journal)
+        self.as_written = program_figure_later(self.checker, self.graph) if self.written_figure is None else None
         tried, after, measured, answers = self._build(est, info, limit)
         kept: dict = {}
         try:
@@ -379,10 +380,12 @@ class _Run:
 
     def _no_larger_than_written(self, est, info, limit, mark, tried, measured, answers):
         """A plan over the limit by XLA's figure (``measured``) is kept only where it is at most
-        ``Tuning.over_gain`` of the program as written by XLA's figure (measured now, the plan undone, where
-        not known): else the program is left as written, recorded and said (a GAN's step under a quarter
-        of its 179 MB: seven best efforts, each a loop, to 201 MB).  Returns the records and XLA's figure."""
+        ``Tuning.over_gain`` of the program as written by XLA's figure (its copy before the plan compiled
+        now, or the plan undone): else it is left as written, recorded and said (a GAN's step under a
+        quarter of its 179 MB: seven best efforts, each a loop, to 201 MB).  Returns the records and figure."""
         journal, written = graph_edit.active_journal(), self.written_figure
+        if written is None and self.as_written is not None:     # (copied before the plan: compiled now, no undo)
+            written = self.written_figure = self.as_written().bytes
         if undone := written is None:
             journal.undo(to=mark)
             written = self.figure().bytes
@@ -399,15 +402,13 @@ class _Run:
                             + ". It will run as well as it can; raise memory_limit."]
             return left, written
         if undone:                       # the plan again, as built (its figures are known)
-            warned = self.pending
-            tried, _, measured, _ = self._build(est, info, limit, replay=answers)
+            warned, (tried, _, measured, _) = self.pending, self._build(est, info, limit, replay=answers)
             self.pending = warned
         return tried, measured
 
     def _another_way(self, code: Code, tried: PassResult) -> tuple[dict, str, float] | None:
-        """How :meth:`_split` plans again after ``tried`` failed (``code`` says which way): the run's
-        ways changed, what that is, and the share of the first's figure it must come under; ``None``
-        where that way does not apply."""
+        """How :meth:`_split` plans again after ``tried`` failed (``code``: which way): the run's ways
+        changed, what that is, the share of the first's figure it must come under; ``None``: not here."""
         if code == Code.LARGE_JOINS_ALLOWED:
             if not any(r.code == Code.JOINED_TOO_LARGE for r in tried.records):
                 return None
@@ -424,8 +425,7 @@ class _Run:
         self.relaxed, self.avoid = ways.get("relaxed", False), ways.get("avoid", frozenset())
 
     def _size(self, after, measured) -> tuple[int | None, int | None]:
-        """The program as it stands: XLA's figure (as measured, else asked now), else the model's
-        count ``after``; and XLA's figure (``None``: not known)."""
+        """The program's XLA figure (as measured, else asked now) or the model's ``after``; and the figure."""
         figure = measured if measured is not None else self.figure().bytes
         return (figure if figure is not None else after), figure
 

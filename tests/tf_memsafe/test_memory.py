@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from grappler_ext import measure
 from grappler_ext.pipeline import Pipeline
 from tests.fakes import CountingPass
 from tf_memsafe import hook, memory, xla_flags
@@ -123,6 +124,26 @@ def test_a_graph_with_an_argument_nothing_reads_is_measured():
     fn = tf.function(lambda x, unused: tf.reduce_sum(x * 2.0), jit_compile=True)
     graph = fn.get_concrete_function(tf.TensorSpec([100, 100]), tf.TensorSpec([7])).graph
     assert memory.graph_bytes(graph) > 0
+
+
+def test_a_graph_copied_to_be_measured_later_is_measured_as_it_was():
+    """The splitter weighs a plan over the limit against the program as written without undoing the plan
+    and building it again: the copy taken before the plan, compiled after it, gives the figure the graph
+    had then; a copy that cannot be compiled raises when asked (``grappler_ext.measure`` records why)."""
+    fn = tf.function(lambda x: tf.reduce_sum(tf.exp(x[:, None, :] - x[None, :, :])), jit_compile=True)
+    graph = fn.get_concrete_function(tf.TensorSpec([300, 8])).graph
+    written = memory.graph_bytes(graph)
+    later = memory.XlaMeasurer().program_bytes_later(graph)
+    with graph.as_default():                                   # the graph changes: its output is [300, 8] smaller
+        small = tf.reduce_sum(graph.inputs[0])
+    graph.outputs[0] = small
+    assert memory.graph_bytes(graph) < written and later() == written
+    figure = measure.program_figure_later(memory.XlaMeasurer(), graph)
+    assert figure().bytes == memory.graph_bytes(graph)
+    dynamic = tf.function(lambda x: x * 2.0, jit_compile=True).get_concrete_function(tf.TensorSpec([None])).graph
+    failed = measure.program_figure_later(memory.XlaMeasurer(), dynamic)()
+    assert failed.bytes is None and "without a static shape" in failed.failure, failed
+    assert measure.program_figure_later(None, graph) is None
 
 
 def test_peak_memory_bounds_the_footprint_from_above():
