@@ -20,6 +20,7 @@ the program does.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -30,22 +31,28 @@ __all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_b
            "with_room_for_io", "growth_note", "planned_shapes"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
+FAR = 8               # the third: 1 + FAR * PROBE (how fast it grows beyond)
 BATCH = 8             # a batch's nominal size beside other run-time sizes (a padded batch's length)
 
 
 @dataclasses.dataclass(frozen=True)
 class Growth:
     """The memory model's count of a program with run-time dimensions: ``base_bytes`` at size 1 and
-    ``per_unit`` bytes more for each unit of size (all of them taken as one size)."""
+    ``per_unit`` bytes more for each unit of size up to ``1 + PROBE`` (all of them taken as one size),
+    and beyond it as the size to the power ``power`` (from the count at ``1 + FAR * PROBE``: 2 where a
+    [B, B] matrix grows with the batch, a CLIP loss' logits; at least 1)."""
 
     base_bytes: int
     per_unit: float
+    power: float = 1.0
 
     def within(self, limit: int) -> float | None:
         """The size up to which the program is within ``limit`` (``inf``: at any size; ``None``: not even at 1)."""
         if self.base_bytes > limit:
             return None
-        return float("inf") if self.per_unit <= 0 else 1 + (limit - self.base_bytes) / self.per_unit
+        if self.per_unit <= 0:
+            return float("inf")
+        return 1 + PROBE * ((limit - self.base_bytes) / (self.per_unit * PROBE)) ** (1 / self.power)
 
 
 def dynamic_inputs(graph) -> list[tf.Tensor]:
@@ -131,11 +138,14 @@ def io_bytes(graph, size: int, at: Nominal | None = None) -> int:
 
 
 def growth(needs: Callable[[int], int | None]) -> Growth | None:
-    """How ``needs(size)`` grows, from sizes 1 and ``1 + PROBE``; ``None`` where it cannot say."""
+    """How ``needs(size)`` grows, from sizes 1, ``1 + PROBE`` and ``1 + FAR * PROBE``; ``None`` where it
+    cannot say."""
     low, high = needs(1), needs(1 + PROBE)
     if low is None or high is None:
         return None
-    return Growth(low, (high - low) / PROBE)
+    far = needs(1 + FAR * PROBE) if high > low else None
+    power = max(1.0, math.log((far - low) / (high - low), FAR)) if far is not None and far > high else 1.0
+    return Growth(low, (high - low) / PROBE, power)
 
 
 def nominal_size(grows: Growth, needs: Callable[[int], int | None], limit: int, over: float) -> int | None:
@@ -184,5 +194,6 @@ def growth_note(grows: Growth | None, limit: int) -> str:
     upto = ("; over the limit at a size of 1 already" if within is None else
             "; within the limit at any size" if within == float("inf") else
             f"; within the limit up to about {int(within):,}")
+    faster = f", growing beyond as the size to the power {grows.power:.1f}" if grows.power > 1.05 else ""
     return (f" (by the memory model, about {grows.base_bytes / 1e6:,.1f} MB and {grows.per_unit:,.0f} B more "
-            f"for each unit of those dimensions{upto})")
+            f"for each unit of those dimensions{faster}{upto})")

@@ -357,6 +357,10 @@ def test_nominal_size_where_what_grows_is_over_times_the_limit():
     assert size == 4000                                     # 10 B a unit: 40 kB grows at 4000
     # A [n, n] tensor grows faster than the line through 1 and 1025: halved until within twice the target.
     square = nominal.growth(lambda n: n * n)
+    # (said within up to the square root of the limit, not up to the line's: 1,000 here, not 1.0 x 1,024)
+    assert square.power == pytest.approx(2, abs=0.01) and square.within(10**6) == pytest.approx(1000, rel=0.01)
+    assert "growing beyond as the size to the power 2.0; within the limit up to about 1,000" in \
+        nominal.growth_note(square, 10**6)
     size = nominal.nominal_size(square, lambda n: n * n, limit=10**6, over=4)
     assert size * size <= 2 * 4 * 10**6 + 1 < (2 * size) ** 2
     assert nominal.nominal_size(nominal.Growth(5, 0.0), lambda n: 5, 100, 4) is None
