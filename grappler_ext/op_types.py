@@ -11,7 +11,7 @@ import tensorflow as tf
 from grappler_ext import shapes
 
 __all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
-           "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED",
+           "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED", "ARGUMENT_OPS", "HELD_OPS",
            "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "WHOLE_MATRICES", "nbytes", "static_shape_reader",
            "reserve_space"]
 
@@ -46,6 +46,10 @@ CALL_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
 NOT_CLONED = LOOP_TYPES | BRANCH_TYPES | CALL_TYPES
 # Ops that only pass a value on: a report names the op before them.
 PASS_THROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snapshot", "Reshape", "Squeeze", "ExpandDims"})
+# What a program holds whatever a rewrite does: its arguments and its variables' reads (parameters),
+# and with them its constants.
+ARGUMENT_OPS = frozenset({"Placeholder", "ReadVariableOp"})
+HELD_OPS = ARGUMENT_OPS | {"Const"}
 # Linear algebra that reads its matrix whole or writes its results whole, whatever is rewritten around
 # it: XLA's solvers work on whole matrices ({op type: (the function a person calls, inputs, outputs)}
 # held whole; a Cholesky's input is left out, :mod:`grappler_ext.blocked_linalg` computing it block by

@@ -27,6 +27,7 @@ from grappler_ext import folding, graph_edit, memory_model, shapes
 from grappler_ext.graph_query import ancestors, live_ops, returned
 from grappler_ext.op_types import (
     ARG_REDUCTIONS,
+    ARGUMENT_OPS,
     BRANCH_TYPES,
     LOOP_TYPES,
     MATMULS,
@@ -879,7 +880,7 @@ def held_whole(graph) -> Whole | None:
         if not all(t.shape.is_fully_defined() for t in tensors + [op.inputs[0]]) or op.inputs[0].shape.rank < 2:
             return 0
         batch = int(np.prod(op.inputs[0].shape[:-2])) if op.type in rules.RULES else 1
-        return sum(nbytes(t) for t in tensors if t.op.type not in ("Placeholder", "ReadVariableOp")
+        return sum(nbytes(t) for t in tensors if t.op.type not in ARGUMENT_OPS
                    and not returned(t, graph_outputs)) // max(batch, 1)
 
     found = max(((held(op), op) for op in live_ops(graph) if op.type in WHOLE_MATRICES),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model, shapes
+from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model, op_types, shapes
 from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure, program_figure_later
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
@@ -568,7 +568,7 @@ class _Run:
 
         # Large materialised tensors, largest first; each gets at most one loop.
         tensors = sorted((x for op in order if not graph_edit.is_generated(op)
-                          and op.type not in ("Placeholder", "Const", "ReadVariableOp") and op not in backward
+                          and op.type not in op_types.HELD_OPS and op not in backward
                           for x in op.outputs if large(x)), key=lambda x: -info[x.name].bytes)
         done: set = set()
         after = None          # the model's bytes after the latest rewrite (the graph changes only there)

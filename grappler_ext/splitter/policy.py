@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from grappler_ext.op_types import nbytes
+from grappler_ext.op_types import ARGUMENT_OPS, HELD_OPS, nbytes
 from grappler_ext.splitter import chunk_plan
 from grappler_ext.splitter.analysis import Grown, joined_bytes, materialised_bytes, top_k
 from grappler_ext.splitter.chunk_plan import ChunkPlan
@@ -160,10 +160,10 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     for ref in region.sliced_inputs:
         t = ref.deref()
         per_unit += nbytes(t) / length                          # the slice copied into the body
-        if t.op.type not in ("Placeholder", "ReadVariableOp"):
+        if t.op.type not in ARGUMENT_OPS:
             computed_outside += nbytes(t)
     for ref in region.whole_inputs - set(region.sliced_inputs):
-        if ref.deref().op.type not in ("Placeholder", "Const", "ReadVariableOp"):
+        if ref.deref().op.type not in HELD_OPS:
             computed_outside += nbytes(ref.deref())             # read whole by every slice
     # (a result written into its input's buffer, a variable's new value, takes no bytes of its own)
     root_out = sum(nbytes(t) for o in options if o.root not in region.written_into for t in o.root.outputs)

@@ -72,7 +72,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
-from grappler_ext.op_types import LOOP_TYPES, RESERVE_SPACES, reserve_space
+from grappler_ext.op_types import HELD_OPS, LOOP_TYPES, RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.outcome import Code, Redrawable
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -282,7 +282,6 @@ def is_stateful(op: tf.Operation) -> bool:
 
 # Elementwise ops a region computes again where they are read outside it too (:func:`recomputed`).
 RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE
-_ALWAYS_HELD = frozenset({"Placeholder", "ReadVariableOp", "Const"})
 
 
 def recomputed(op: tf.Operation, depth: int = 4) -> bool:
@@ -296,7 +295,7 @@ def recomputed(op: tf.Operation, depth: int = 4) -> bool:
             or not out.shape.is_fully_defined() or not out.shape.num_elements()):
         return False
     return all((x.shape.is_fully_defined() and x.shape.num_elements() * 8 <= out.shape.num_elements())
-               or x.op.type in _ALWAYS_HELD or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
+               or x.op.type in HELD_OPS or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
 
 
 def _dynamic_tensor(op: tf.Operation) -> str | None:
