@@ -126,9 +126,22 @@ def ancestor_ops(ops: Iterable[tf.Operation], stop: set | None = None) -> set[tf
 def returned(t: tf.Tensor, graph_outputs: set) -> bool:
     """Whether the function whose outputs' refs are ``graph_outputs`` returns ``t``, or it through ops
     that only pass it on: its whole value is made."""
-    return t.ref() in graph_outputs or any(
-        c.type in PASS_THROUGH and returned(c.outputs[_slot(c, t) if c.type == "IdentityN" else 0], graph_outputs)
-        for c in t.consumers() if c.outputs)
+    return any(x.ref() in graph_outputs for x in passed_on(t))
+
+
+def passed_on(t: tf.Tensor) -> list[tf.Tensor]:
+    """``t`` and what ops that only pass a value on (:data:`~grappler_ext.op_types.PASS_THROUGH`: an
+    identity, a custom gradient's ``IdentityN``, a reshape) make of it, through any number of them."""
+    found, stack, seen = [], [t], set()
+    while stack:
+        x = stack.pop()
+        if x.ref() in seen:
+            continue
+        seen.add(x.ref())
+        found.append(x)
+        stack.extend(c.outputs[_slot(c, x) if c.type == "IdentityN" else 0]
+                     for c in x.consumers() if c.type in PASS_THROUGH and c.outputs)
+    return found
 
 
 def _slot(op: tf.Operation, t: tf.Tensor) -> int:

@@ -403,15 +403,9 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
 def graph_bytes_later(graph) -> Callable[[], int]:
     """:func:`graph_bytes` of ``graph`` as it stands now, compiled when the result is called: the
     graph may change in between (the splitter weighs a plan over the limit against the program as
-    written without undoing the plan and building it again).  An error is raised by the call."""
-    try:
-        fn, specs = _program_copy(graph, None)
-    except Exception as e:  # noqa: BLE001 - raised where the figure is asked for, as graph_bytes would
-        failure = e
-
-        def figure() -> int:
-            raise failure
-        return figure
+    written without undoing the plan and building it again).  Raises as :func:`graph_bytes` would
+    where the graph cannot be copied (no outputs, an input without a static shape)."""
+    fn, specs = _program_copy(graph, None)
 
     def figure() -> int:
         with tf.init_scope():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from grappler_ext import gradients, graph_edit
+from grappler_ext import gradients, graph_edit, graph_query
 from grappler_ext.op_types import LOOP_TYPES, nbytes
 from grappler_ext.splitter import (
     analysis,
@@ -348,16 +348,8 @@ class RegionSearch:
 
 
 def _read_by_loop(t) -> bool:
-    """Whether a loop reads ``t`` (through identities: a gate, a custom gradient's)."""
-    seen, stack = set(), [t]
-    while stack:
-        for reader in stack.pop().consumers():
-            if reader.type in LOOP_TYPES:
-                return True
-            if reader.type in ("Identity", "IdentityN") and reader not in seen:
-                seen.add(reader)
-                stack.extend(reader.outputs)
-    return False
+    """Whether a loop reads ``t``, or it through ops that only pass it on (a gate, a custom gradient's)."""
+    return any(reader.type in LOOP_TYPES for x in graph_query.passed_on(t) for reader in x.consumers())
 
 
 def _drawn_in(region) -> tuple[str, ...]:
