@@ -45,7 +45,7 @@ from tensorflow.core.framework import graph_pb2
 __all__ = ["Symbols", "symbols", "nominal", "same_as", "monomials", "symbolic", "nominal_size", "nominal_key",
            "known_shape", "exact_dims", "is_symbolic", "exact_monomial", "describe_exact", "dims", "is_static",
            "num_elements", "nbytes", "dynamic_axes", "concrete_spec", "resolve", "declare_stacked", "copied",
-           "shaped_as", "read_once"]
+           "shaped_as", "read_once", "sizes_as_constants"]
 
 # A dimension as the table reads it: ``(coefficient, ((symbol, power), ...))``, or ``None`` (not a
 # product of the run-time sizes: L - 1, or unknown to the inference).
@@ -94,8 +94,12 @@ class Symbols:
         return self.sources[k][0][1]
 
     def run_size(self, k: int) -> tf.Tensor:
-        """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles)."""
+        """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles);
+        within :func:`sizes_as_constants`, its nominal size."""
         def make():
+            constant = _CONSTANT.get()
+            if constant is not None:
+                return tf.constant(constant[1].get(k, constant[0]), tf.int32)
             sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
             return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
 
@@ -109,8 +113,8 @@ class Symbols:
         """``make()`` in the default graph, made there once for ``key`` (not under control edges, which
         another reader would inherit): a value of the run-time sizes read by many ops."""
         graph = tf.compat.v1.get_default_graph()
-        if getattr(graph, "_control_dependencies_stack", None):
-            return make()
+        if getattr(graph, "_control_dependencies_stack", None) or _CONSTANT.get() is not None:
+            return make()        # (a program built alone to be measured is not kept: nor are its sizes)
         made = self.made.get((id(graph), key))
         if made is None or made[0] is not graph:
             made = self.made[(id(graph), key)] = (graph, make())
@@ -454,6 +458,24 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
 
 
 _NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
+
+
+# (size, values) while a program made of the graph's pieces is built alone to be measured at them
+_CONSTANT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_sizes_as_constants",
+                                                                         default=None)
+
+
+@contextlib.contextmanager
+def sizes_as_constants() -> Iterator[None]:
+    """Within: the run-time sizes a table gives (:meth:`Symbols.run_size`) are the nominal sizes in
+    effect, as constants, not read from the function's inputs: a loop of the program built alone, as a
+    function of its own inputs, to be compiled at those sizes (the function's inputs are not its)."""
+    state = _NOMINAL.get()
+    token = _CONSTANT.set(None if state is None else (state[0], state[2]))
+    try:
+        yield
+    finally:
+        _CONSTANT.reset(token)
 
 
 def _sizes_key(size: int, values: dict[int, int]) -> tuple:

@@ -348,10 +348,17 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     external, forward = (fused_program(region, plan.chunk, combiner, specs,
                                        _per_partial(gradient_free(options), combiner, specs), asked) if fused
                          else forward_program(region, plan.chunk, combiner, specs))
-    # Dimensions known only at run time are compiled at the nominal size the plan is made at.
-    if region.scaled or any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
-        raise ValueError("an input without a static shape or of a handle type, or slices of run-time sizes")
-    fn = tf.function(lambda *values: forward(*values), jit_compile=True, autograph=False)
+    # Dimensions known only at run time are compiled at the nominal sizes the plan is made at; a loop
+    # whose rows hold the same bytes at any sizes reads them as constants there (its chunk: ``chunk``).
+    if (region.scaled and not region.scaled.steady) or any(
+            not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
+        raise ValueError("an input without a static shape or of a handle type, or rows of run-time sizes")
+
+    def alone(*values):
+        with shapes.sizes_as_constants():
+            return forward(*values)
+
+    fn = tf.function(alone, jit_compile=True, autograph=False)
     with tf.init_scope():
         return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])
 

@@ -79,6 +79,15 @@ class Scaling:
         return max((sum(e for k, e in row.powers if k not in self.fixed) + row.unknown for row in self.rows),
                    default=0)
 
+    @property
+    def steady(self) -> bool:
+        """Whether a slice's row holds the same bytes at any run sizes (a loop along a batch of run-time
+        size whose rows have no other such size; its inputs and results grow with the batch): its
+        loop alone, compiled at the nominal sizes, measures a chunk's bytes as they are at any
+        (:func:`.mechanism.loop_figure`: a Keras ViT's gradients computed along its batch grown from
+        the model's one row to five)."""
+        return not any(row.powers or row.unknown for row in self.rows)
+
     def _ratios(self) -> dict[int, tf.Tensor]:
         return {k: tf.cast(self.table.run_size(k), tf.float64) / float(n) for k, n in self.nominal.items()}
 

@@ -270,6 +270,45 @@ def test_a_padded_batch_attention_keeps_its_limit_at_other_sizes():
         assert after <= limit < before // 4, (b, n, after, limit, before)
 
 
+DENSE_IN = tf.Variable(rng.randn(16, 512).astype(np.float32) / 4)
+DENSE_OUT = tf.Variable(rng.randn(512, 8).astype(np.float32) / 20)
+
+
+def dense_step(x):
+    """Two Dense layers on [B, 64, 16] as Keras 3 writes them (``tensordot``: a reshape to sizes read
+    from ``tf.shape``, [?, ?] to TensorFlow), a loss and its gradients."""
+    with tf.GradientTape() as tape:
+        y = tf.tensordot(tf.nn.relu(tf.tensordot(x, DENSE_IN, [[2], [0]])), DENSE_OUT, [[2], [0]])
+        loss = tf.reduce_sum(tf.square(y))
+    return [loss] + tape.gradient(loss, [DENSE_IN, DENSE_OUT])
+
+
+def test_a_loop_along_a_run_time_batch_is_grown_by_its_figure_and_runs_at_that_chunk():
+    """A loop along the batch whose slices read other run-time dimensions ([?, ?] reshapes) but whose
+    rows hold the same bytes at any batch: its loop alone is compiled at the nominal sizes, so the
+    gradients computed in it grow from the model's one row to what XLA's figures allow (a Keras ViT's
+    step: 1 -> 5 rows), and it runs at that chunk at a shorter batch too, within the limit, exactly."""
+    limit = 4_000_000
+    tf_memsafe.enable(limit, strict=True)
+    try:
+        f = tf.function(dense_step, jit_compile=True, input_signature=[tf.TensorSpec([None, 64, 16])])
+        f.get_concrete_function()
+        records = _records("dense_step")
+        codes = [r.code for r in records]
+        (plan,) = [r.plan for r in records if r.code == Code.SPLIT]
+        assert Code.GROWN in codes and plan.fused and plan.backward_chunk > 1, [r.reason for r in records]
+        x = tf.constant(rng.randn(20, 64, 16).astype(np.float32))       # (planned at 41)
+        hlo = f.experimental_get_compiler_ir(x)(stage="hlo")
+        assert f"f32[{plan.backward_chunk},64,512]" in hlo and "f32[1,64,512]" not in hlo
+        assert tf_memsafe.memory_footprint(f, tf.TensorSpec([20, 64, 16])) <= limit
+    finally:
+        tf_memsafe.disable()
+    naive = tf.function(dense_step, jit_compile=True)
+    for b in (3, 20):
+        x = tf.constant(np.random.RandomState(b).randn(b, 64, 16).astype(np.float32))
+        _close(f(x), naive(x), f"dense_step at [{b}, 64, 16]")
+
+
 @pytest.mark.parametrize("check_at_run", [True, False])
 def test_a_program_that_fits_at_any_useful_size_says_how_far(check_at_run):
     """Nothing in it is large for the limit at any size a plan could be made at: left alone, with how far
