@@ -113,11 +113,13 @@ class Symbols:
         """``make()`` in the default graph, made there once for ``key`` (not under control edges, which
         another reader would inherit): a value of the run-time sizes read by many ops."""
         graph = tf.compat.v1.get_default_graph()
-        if getattr(graph, "_control_dependencies_stack", None) or _CONSTANT.get() is not None:
-            return make()        # (a program built alone to be measured is not kept: nor are its sizes)
-        made = self.made.get((id(graph), key))
+        if getattr(graph, "_control_dependencies_stack", None):
+            return make()
+        constant = _CONSTANT.get()          # (a program built alone to be measured keeps its own, dropped after)
+        cache = self.made if constant is None else constant[2]
+        made = cache.get((id(graph), key))
         if made is None or made[0] is not graph:
-            made = self.made[(id(graph), key)] = (graph, make())
+            made = cache[(id(graph), key)] = (graph, make())
         return made[1]
 
     def run_exact(self, size: int):
@@ -460,7 +462,7 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
 _NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
 
 
-# (size, values) while a program made of the graph's pieces is built alone to be measured at them
+# (size, values, the sizes made) while a program of the graph's pieces is built alone to be measured at them
 _CONSTANT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_sizes_as_constants",
                                                                          default=None)
 
@@ -471,7 +473,7 @@ def sizes_as_constants() -> Iterator[None]:
     effect, as constants, not read from the function's inputs: a loop of the program built alone, as a
     function of its own inputs, to be compiled at those sizes (the function's inputs are not its)."""
     state = _NOMINAL.get()
-    token = _CONSTANT.set(None if state is None else (state[0], state[2]))
+    token = _CONSTANT.set(None if state is None else (state[0], state[2], {}))
     try:
         yield
     finally:

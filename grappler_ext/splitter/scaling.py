@@ -164,8 +164,10 @@ def of(tensors: Sequence[tf.Tensor], axis_monomial, dynamic: bool, held: Sequenc
         return None
     table, size, values = state
     split, _ = _powers([axis_monomial]) if axis_monomial is not None else ({}, 0)
-    rows = [row_of(t, table, split, dynamic) for t in tensors]
-    whole = [row_of(t, table) for t in held if shapes.dynamic_axes(t)]
+    # (each kind of row once: the growth is the largest of theirs, and a row is a few ops to compute it
+    # at run time; a Keras ViT's region has 2,000 tensors of one kind)
+    rows = list(dict.fromkeys(row_of(t, table, split, dynamic) for t in tensors))
+    whole = list(dict.fromkeys(row_of(t, table) for t in held if shapes.dynamic_axes(t)))
     used = {k for row in rows + whole for k, _ in row.powers}
     if any(row.unknown for row in rows + whole):
         used |= set(table.sources)
