@@ -314,6 +314,32 @@ def padded_lines(data: dict) -> list[str]:
                        "rewrite"], body)]
 
 
+def image_fit_lines(data: dict) -> list[str]:
+    from experiments import image_fit
+
+    rows = [image_fit.Row(**r) for r in data["rows"]]
+    naive = {r.keras: r for r in rows if r.method == "naive"}
+    body = []
+    for r in rows:
+        base = naive.get(r.keras)
+        ratio = r.median_step_s / base.median_step_s if base is not None and base.median_step_s else None
+        first = r.first_epoch_s / base.first_epoch_s if base is not None and base.first_epoch_s else None
+        body.append([r.keras, r.method, footprint_cell(r.xla_bytes, r.within_limit), m.num(r.loss_rel_diff, ".1e"),
+                     seconds(r.first_epoch_s), m.num(first, ".1f"), f"{r.median_step_s * 1e3:.1f} ms",
+                     m.num(ratio, ".2f"), seconds(r.rewrite_s) if r.method != "naive" else "-",
+                     str(r.chunk) if r.chunk else "-"])
+    return [f"{data.get('examples')} images in `batch({data.get('batch')})` (the last shorter: the batch unknown in "
+            f"the step); embedding width {data.get('width')}, {data.get('layers')} encoder blocks, dropout "
+            f"{data.get('dropout')} (under tf_memsafe with `redraw_random=True`: the losses differ by the draws); "
+            f"limit {data.get('fraction')} of the naive step's figure. XLA's largest footprint among the step's "
+            "programs; the losses' largest relative difference from the naive fit's; the first epoch (trace, "
+            "rewrite, a compile per batch size, the steps) and its time over naive's; the second epoch's median "
+            "step and its time over naive's; tf_memsafe's rewriting time; the rows of the batch a loop step "
+            "computes with their gradients.", "",
+            *md_table(["Keras", "method", "XLA", "loss diff", "first epoch", "/ naive", "median step", "/ naive",
+                       "rewrite", "chunk"], body)]
+
+
 def gpr_lines(data: dict) -> list[str]:
     from experiments import gpr
 
@@ -516,6 +542,10 @@ EXPERIMENTS = (
                "Keras `fit` on `tf.data` padded batches, whose batch and length are both known only at run time: an "
                "attention classifier as written and under a limit (both Keras versions), footprints, losses, time.",
                padded_lines),
+    Experiment("image_fit", "Vision Transformer fit", "experiments.image_fit", "image_fit",
+               "keras.io's Vision Transformer written small, trained with `fit` on `tf.data` batches whose last is "
+               "short (the batch unknown in the step), as written and under a third of its footprint (both Keras "
+               "versions): footprints, losses, first epoch and steady steps, the loop's chunk.", image_fit_lines),
     Experiment("gpr", "GPflow GPR", "experiments.gpr", "gpr",
                "GPflow's GPR, unchanged, under limits 8x below its naive figure: predictions over many test points "
                "and triangular solves with many right-hand sides (split along them, the Cholesky factor read "
