@@ -1,6 +1,6 @@
 """Where a benchmark writes, and its rows: one CSV column per field of its row dataclass, and a JSON copy;
-how a row says two programs' outputs differ (:func:`max_rel_diff`); and a Keras run's time per batch
-(:class:`StepTimes`).
+how a row says two programs' outputs differ (:func:`max_rel_diff`); a Keras run's time per batch
+(:class:`StepTimes`), and two epochs of a Keras ``fit`` timed and measured (:func:`two_epochs`).
 
 A full run writes to ``experiments/results`` (the committed results); a ``--quick`` smoke run to
 ``experiments/results/quick`` (ignored by git), so that trying the quick check never overwrites
@@ -15,7 +15,8 @@ import json
 import os
 import time
 
-__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "rewrite_counts", "StepTimes", "RESULTS",
+__all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "rewrite_counts", "StepTimes", "two_epochs",
+           "RESULTS",
            "QUICK_RESULTS", "OUT_HELP"]
 
 RESULTS = os.path.join("experiments", "results")
@@ -90,3 +91,30 @@ class StepTimes:
                 outer.times.append(time.perf_counter() - outer.start)
 
         self.callback = Callback()
+
+
+def two_epochs(model, data, keras, limit: int | None = None, **options) -> tuple:
+    """Two epochs of ``model.fit`` on ``data`` (``keras``: the module it is built with), with tf_memsafe
+    enabled at ``limit`` and ``options`` (``None``: as written) and every compile dumped: ``(the two
+    losses, XLA's largest "Total bytes used" among the programs, the first epoch's seconds, the second
+    epoch's median step, tf_memsafe's reports of the traces made)``."""
+    import statistics
+
+    import tf_memsafe
+    from tf_memsafe import hook, xla_flags
+
+    mark = hook.report_mark()
+    if limit is not None:
+        tf_memsafe.enable(limit, **options)
+    try:
+        with xla_flags.dump_all_compiles() as folder:
+            steps = StepTimes(keras)
+            start = time.perf_counter()
+            first = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
+            first_s = time.perf_counter() - start
+            steps.times.clear()
+            second = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
+            figure = max(total for _, total in xla_flags.memory_reports(folder))
+    finally:
+        tf_memsafe.disable()
+    return first + second, figure, first_s, statistics.median(steps.times), hook.reports_since(mark)

@@ -25,17 +25,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
 
-import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, StepTimes, machine_meta, results_dir, write_outputs
+import tf_memsafe  # noqa: F401 - before the first XLA compile: it manages XLA_FLAGS
+from experiments._results import OUT_HELP, machine_meta, results_dir, two_epochs, write_outputs
 from experiments.transformer.model import keras_module
 from grappler_ext.splitter.outcome import Code
-from tf_memsafe import hook, xla_flags
 
 VERSIONS = ("keras3", "tf_keras")
 FRACTION = 0.35
@@ -98,26 +95,11 @@ def _data(size: Size) -> tf.data.Dataset:
 
 def _fit(version: str, size: Size, limit: int | None) -> tuple:
     keras = keras_module(3 if version == "keras3" else 2)
-    model, data = vision_transformer(keras, size), _data(size)
-    mark = hook.report_mark()
-    if limit is not None:
-        tf_memsafe.enable(limit, redraw_random=size.dropout > 0)
-    try:
-        with xla_flags.dump_all_compiles() as folder:
-            steps = StepTimes(keras)
-            start = time.perf_counter()
-            first = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
-            first_s = time.perf_counter() - start
-            steps.times.clear()
-            second = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
-            figure = max(total for _, total in xla_flags.memory_reports(folder))
-    finally:
-        tf_memsafe.disable()
-    reports = hook.reports_since(mark)
+    losses, figure, first_s, step_s, reports = two_epochs(vision_transformer(keras, size), _data(size), keras, limit,
+                                                          redraw_random=size.dropout > 0)
     rewrite = sum(r.rewrite_seconds or 0.0 for r in reports)
     plans = [r.plan for rep in reports for r in rep.records if r.pass_name == "splitter" and r.code == Code.SPLIT]
-    chunk = max((p.backward_chunk for p in plans), default=0)
-    return first + second, figure, first_s, statistics.median(steps.times), rewrite, chunk
+    return losses, figure, first_s, step_s, rewrite, max((p.backward_chunk for p in plans), default=0)
 
 
 def run(size: Size, versions=VERSIONS, fraction: float = FRACTION) -> list[Row]:

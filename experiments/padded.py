@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
 
-import tf_memsafe  # before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, StepTimes, machine_meta, results_dir, write_outputs
+import tf_memsafe  # noqa: F401 - before the first XLA compile: it manages XLA_FLAGS
+from experiments._results import OUT_HELP, machine_meta, results_dir, two_epochs, write_outputs
 from experiments.transformer.model import keras_module
-from tf_memsafe import hook, xla_flags
 
 D, HEADS, VOCAB, BATCH = 64, 4, 100, 4
 LENGTHS, LIMIT = (512, 1024, 2048), 64 * 10**6
@@ -80,25 +77,10 @@ def _data(length: int) -> tf.data.Dataset:
 
 def _fit(version: str, length: int, limit: int | None) -> tuple:
     keras = keras_module(3 if version == "keras3" else 2)
-    model, data = attention_classifier(keras), _data(length)
-    mark = hook.report_mark()
-    if limit is not None:
-        tf_memsafe.enable(limit)
-    try:
-        with xla_flags.dump_all_compiles() as folder:
-            steps = StepTimes(keras)
-            start = time.perf_counter()
-            first = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
-            first_s = time.perf_counter() - start
-            steps.times.clear()
-            second = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]
-            figure = max(total for _, total in xla_flags.memory_reports(folder))
-    finally:
-        tf_memsafe.disable()
-    reports = hook.reports_since(mark)
+    losses, figure, first_s, step_s, reports = two_epochs(attention_classifier(keras), _data(length), keras, limit)
     rewrite = sum(r.rewrite_seconds or 0.0 for r in reports)
     split = any(r.pass_name == "splitter" and r.action == "rewritten" for rep in reports for r in rep.records)
-    return first + second, figure, first_s, statistics.median(steps.times), rewrite, split
+    return losses, figure, first_s, step_s, rewrite, split
 
 
 def run(lengths, limit: int, versions=VERSIONS) -> list[Row]:
