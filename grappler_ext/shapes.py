@@ -97,9 +97,9 @@ class Symbols:
         """Symbol ``k``'s size when the function runs (an int32 scalar XLA resolves when it compiles);
         within :func:`sizes_as_constants`, its nominal size."""
         def make():
-            constant = _CONSTANT.get()
-            if constant is not None:
-                return tf.constant(constant[1].get(k, constant[0]), tf.int32)
+            if _CONSTANT.get() is not None:
+                size, _, values, _ = _NOMINAL.get()
+                return tf.constant(values.get(k, size), tf.int32)
             sizes = [tf.shape(t, out_type=tf.int32)[a] for t, a in self.sources[k]]
             return sizes[0] if len(sizes) == 1 else tf.reduce_max(tf.stack(sizes))
 
@@ -115,8 +115,8 @@ class Symbols:
         graph = tf.compat.v1.get_default_graph()
         if getattr(graph, "_control_dependencies_stack", None):
             return make()
-        constant = _CONSTANT.get()          # (a program built alone to be measured keeps its own, dropped after)
-        cache = self.made if constant is None else constant[2]
+        cache = _CONSTANT.get()          # (a program built alone to be measured keeps its own, dropped after)
+        cache = self.made if cache is None else cache
         made = cache.get((id(graph), key))
         if made is None or made[0] is not graph:
             made = cache[(id(graph), key)] = (graph, make())
@@ -462,9 +462,9 @@ def _read(graph, copy: tf.Graph, count: int, again: tf.Graph | None = None) -> d
 _NOMINAL: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_nominal_size", default=None)
 
 
-# (size, values, the sizes made) while a program of the graph's pieces is built alone to be measured at them
-_CONSTANT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("grappler_ext_sizes_as_constants",
-                                                                         default=None)
+# The sizes made while a program of the graph's pieces is built alone to be measured at the nominal sizes
+_CONSTANT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("grappler_ext_sizes_as_constants",
+                                                                        default=None)
 
 
 @contextlib.contextmanager
@@ -472,8 +472,7 @@ def sizes_as_constants() -> Iterator[None]:
     """Within: the run-time sizes a table gives (:meth:`Symbols.run_size`) are the nominal sizes in
     effect, as constants, not read from the function's inputs: a loop of the program built alone, as a
     function of its own inputs, to be compiled at those sizes (the function's inputs are not its)."""
-    state = _NOMINAL.get()
-    token = _CONSTANT.set(None if state is None else (state[0], state[2], {}))
+    token = _CONSTANT.set(None if _NOMINAL.get() is None else {})
     try:
         yield
     finally:

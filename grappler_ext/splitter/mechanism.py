@@ -342,17 +342,18 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
     built as a function of the region's inputs and compiled by ``measurer`` (never run).  ``fused``:
     the loop that computes its gradients as it goes, with them (those ``asks`` says are asked for)."""
+    # Dimensions known only at run time are compiled at the nominal sizes the plan is made at; a loop
+    # whose rows hold the same bytes at any sizes reads them as constants there (its chunk: ``chunk``).
+    if region.scaled and not region.scaled.steady:
+        raise ValueError("its slices' rows grow with the run-time sizes")
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
     asked = None if asks is None else [asks(t) for t in external_inputs(region)]
     external, forward = (fused_program(region, plan.chunk, combiner, specs,
                                        _per_partial(gradient_free(options), combiner, specs), asked) if fused
                          else forward_program(region, plan.chunk, combiner, specs))
-    # Dimensions known only at run time are compiled at the nominal sizes the plan is made at; a loop
-    # whose rows hold the same bytes at any sizes reads them as constants there (its chunk: ``chunk``).
-    if (region.scaled and not region.scaled.steady) or any(
-            not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
-        raise ValueError("an input without a static shape or of a handle type, or rows of run-time sizes")
+    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
+        raise ValueError("an input without a static shape or of a handle type")
 
     def alone(*values):
         with shapes.sizes_as_constants():
