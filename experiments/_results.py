@@ -16,6 +16,7 @@ import os
 import time
 
 __all__ = ["write_outputs", "results_dir", "machine_meta", "max_rel_diff", "rewrite_counts", "StepTimes", "two_epochs",
+           "fit_parser", "losses_rel_diff",
            "RESULTS",
            "QUICK_RESULTS", "OUT_HELP"]
 
@@ -118,3 +119,24 @@ def two_epochs(model, data, keras, limit: int | None = None, **options) -> tuple
     finally:
         tf_memsafe.disable()
     return first + second, figure, first_s, statistics.median(steps.times), hook.reports_since(mark)
+
+
+KERAS_VERSIONS = ("keras3", "tf_keras")
+
+
+def fit_parser(description: str, quick_help: str):
+    """The command line of a benchmark of Keras fits: ``--quick`` (``quick_help``), ``--out`` and
+    ``--keras`` (the versions to run, default both)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", default=None, help=OUT_HELP)
+    parser.add_argument("--keras", nargs="+", choices=KERAS_VERSIONS, default=list(KERAS_VERSIONS),
+                        help="the Keras versions to run (default: both)")
+    return parser
+
+
+def losses_rel_diff(losses, reference) -> float:
+    """The largest relative difference of a fit's ``losses`` from the ``reference`` fit's, epoch by epoch."""
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))

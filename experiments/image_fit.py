@@ -22,7 +22,6 @@ nothing else while it is timed (results say how it was run).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
@@ -30,11 +29,18 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # noqa: F401 - before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, machine_meta, results_dir, two_epochs, write_outputs
+from experiments._results import (
+    KERAS_VERSIONS,
+    fit_parser,
+    losses_rel_diff,
+    machine_meta,
+    results_dir,
+    two_epochs,
+    write_outputs,
+)
 from experiments.transformer.model import keras_module
 from grappler_ext.splitter.outcome import Code
 
-VERSIONS = ("keras3", "tf_keras")
 FRACTION = 0.35
 
 
@@ -102,14 +108,14 @@ def _fit(version: str, size: Size, limit: int | None) -> tuple:
     return losses, figure, first_s, step_s, rewrite, max((p.backward_chunk for p in plans), default=0)
 
 
-def run(size: Size, versions=VERSIONS, fraction: float = FRACTION) -> list[Row]:
+def run(size: Size, versions=KERAS_VERSIONS, fraction: float = FRACTION) -> list[Row]:
     rows = []
     for version in versions:
         naive = _fit(version, size, None)
         limit = int(naive[1] * fraction)
         for method, (losses, figure, first_s, step_s, rewrite, chunk) in (
                 ("naive", naive), ("tf_memsafe", _fit(version, size, limit))):
-            diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, naive[0]))
+            diff = losses_rel_diff(losses, naive[0])
             rows.append(Row(version, method, figure, limit, figure <= limit, " ".join(f"{v:.6f}" for v in losses),
                             diff, round(first_s, 3), round(step_s, 4),
                             round(rewrite, 3) if method == "tf_memsafe" else 0.0, chunk))
@@ -117,12 +123,7 @@ def run(size: Size, versions=VERSIONS, fraction: float = FRACTION) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small model without dropout, a smoke run")
-    parser.add_argument("--out", default=None, help=OUT_HELP)
-    parser.add_argument("--keras", nargs="+", choices=VERSIONS, default=list(VERSIONS),
-                        help="the Keras versions to run (default: both)")
-    args = parser.parse_args(argv)
+    args = fit_parser(__doc__.splitlines()[0], "a small model without dropout, a smoke run").parse_args(argv)
     size = QUICK if args.quick else FULL
     rows = run(size, tuple(args.keras))
     meta = {"fraction": FRACTION, **dataclasses.asdict(size), "quick": args.quick, **machine_meta(),

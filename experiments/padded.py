@@ -20,7 +20,6 @@ timed (results say how it was run).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
@@ -28,13 +27,20 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe  # noqa: F401 - before the first XLA compile: it manages XLA_FLAGS
-from experiments._results import OUT_HELP, machine_meta, results_dir, two_epochs, write_outputs
+from experiments._results import (
+    KERAS_VERSIONS,
+    fit_parser,
+    losses_rel_diff,
+    machine_meta,
+    results_dir,
+    two_epochs,
+    write_outputs,
+)
 from experiments.transformer.model import keras_module
 
 D, HEADS, VOCAB, BATCH = 64, 4, 100, 4
 LENGTHS, LIMIT = (512, 1024, 2048), 64 * 10**6
 QUICK_LENGTHS, QUICK_LIMIT = (256,), 4 * 10**6
-VERSIONS = ("keras3", "tf_keras")
 
 
 @dataclasses.dataclass
@@ -83,14 +89,14 @@ def _fit(version: str, length: int, limit: int | None) -> tuple:
     return losses, figure, first_s, step_s, rewrite, split
 
 
-def run(lengths, limit: int, versions=VERSIONS) -> list[Row]:
+def run(lengths, limit: int, versions=KERAS_VERSIONS) -> list[Row]:
     rows = []
     for version in versions:
         for length in lengths:
             naive = _fit(version, length, None)
             for method, (losses, figure, first_s, step_s, rewrite, split) in (
                     ("naive", naive), ("tf_memsafe", _fit(version, length, limit))):
-                diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, naive[0]))
+                diff = losses_rel_diff(losses, naive[0])
                 rows.append(Row(version, length, method, figure, limit, figure <= limit,
                                 " ".join(f"{v:.6f}" for v in losses), diff, round(first_s, 3), round(step_s, 4),
                                 round(rewrite, 3) if method == "tf_memsafe" else 0.0, split))
@@ -98,12 +104,7 @@ def run(lengths, limit: int, versions=VERSIONS) -> list[Row]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one small length, a smoke run")
-    parser.add_argument("--out", default=None, help=OUT_HELP)
-    parser.add_argument("--keras", nargs="+", choices=VERSIONS, default=list(VERSIONS),
-                        help="the Keras versions to run (default: both)")
-    args = parser.parse_args(argv)
+    args = fit_parser(__doc__.splitlines()[0], "one small length, a smoke run").parse_args(argv)
     lengths, limit = (QUICK_LENGTHS, QUICK_LIMIT) if args.quick else (LENGTHS, LIMIT)
     rows = run(lengths, limit, tuple(args.keras))
     meta = {"limit_bytes": limit, "batch": BATCH, "d_model": D, "heads": HEADS, "quick": args.quick,
