@@ -10,13 +10,15 @@ import tensorflow as tf
 
 from grappler_ext import shapes
 
-__all__ = ["MATMULS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
+__all__ = ["MATMULS", "CONVOLUTIONS", "REDUCTIONS", "ARG_REDUCTIONS", "UNARY_ELEMENTWISE", "BROADCASTING_ELEMENTWISE",
            "LOOP_TYPES", "BRANCH_TYPES", "CALL_TYPES", "NOT_CLONED", "ARGUMENT_OPS", "HELD_OPS",
            "PASS_THROUGH", "SHAPE_READERS", "RESERVE_SPACES", "WHOLE_MATRICES", "nbytes", "static_shape_reader",
            "reserve_space"]
 
 # Matrix products TensorFlow emits (``tf.matmul`` on rank 2 and on batches).
 MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+# Convolutions (a window over the spatial axes; depthwise: one filter per input channel).
+CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative"})
 # Reductions with a reduction-indices operand (input 1) whose result is the reduced tensor.
 REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"})
 ARG_REDUCTIONS = frozenset({"ArgMax", "ArgMin"})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from grappler_ext.op_types import ARGUMENT_OPS, HELD_OPS, nbytes
+from grappler_ext.op_types import ARGUMENT_OPS, CONVOLUTIONS, HELD_OPS, nbytes
 from grappler_ext.splitter import chunk_plan
 from grappler_ext.splitter.analysis import Grown, joined_bytes, materialised_bytes, top_k
 from grappler_ext.splitter.chunk_plan import ChunkPlan
@@ -69,6 +69,8 @@ class Planned:
     backward_unit: float
     best_effort: BestEffort | None = None
     figures: tuple[tuple[int, int], ...] = ()
+    fused_chunk: int | None = None           # the chunk of a loop computing its gradients as it goes ...
+    fused_unit: float | None = None          # ... and the bytes a unit costs it (``None``: backward's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,17 +241,82 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         return Why(Code.TOP_K_TOO_SMALL, f"top-k needs chunks of at least k = {k}")
     chunks = ChunkPlan(length, chunk, int(fixed + chunk * per_unit))
     # The backward also holds the gradients of the region's inputs (those a gradient asks for).
-    fixed_backward = (max(fixed, constant + background(beside, backward_steps, grown) + root_out)
-                      + sum(nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs
-                            if beside.asks is None or beside.asks(r.deref())))
+    gradients = sum(nbytes(r.deref()) for r in set(region.sliced_inputs) | region.whole_inputs
+                    if beside.asks is None or beside.asks(r.deref()))
+    fixed_backward = max(fixed, constant + background(beside, backward_steps, grown) + root_out) + gradients
     # The room XLA's figure showed the rest leaves (a starved gradient loop grown) taken off what stays.
     reverse = chunk_plan.plan_chunks(length, backward_unit, max(0, fixed_backward - beside.room[0]), budget)
     backward_chunk = at_least(reverse.chunk if reverse else max(1, chunk // int(tuning.backward_cost_factor)),
                               length, k) or chunk
+    # A loop computing its gradients as it goes holds a slice's forward tensors and their gradients,
+    # counted from the backward as traced (at least the forward's unit, at most the backward loop's),
+    # beside what the forward's loop has beside it and the gradients' sums: the region's backward is
+    # the loop's (not the original backward's steps, which held the region's gradients).
+    # The backward loop's unit instead: with a convolution whose windows overlap (XLA's layouts of it
+    # are beyond the model's count: a Keras CNN's loop alone 5.6 times the model's forward slice a row;
+    # a Vision Transformer's patches, windows side by side, 0.7 times); and for a chunk scaled to run
+    # sizes that grow its rows, which rests on the model's count at sizes nothing measured (a padded
+    # batch's attention along its queries, 9 rows planned at [8, 172], was 1.37 MB at [16, 256] under a
+    # limit of 1.08 MB).
+    scaled = region.scaled is not None and not region.scaled.steady
+    fused_unit = backward_unit if scaled or any(_overlapping(op) for op in grown.included) else min(
+        backward_unit, per_unit + gradient_unit(grown, beside, folded) / tuning.safety_margin)
+    as_one = chunk_plan.plan_chunks(length, fused_unit, max(0, fixed + gradients - beside.room[0]), budget)
+    fused_chunk = at_least(as_one.chunk if as_one else max(1, int(chunk * per_unit / fused_unit)), length, k) or chunk
     if beside.backward and fixed_backward > limit and best_effort is None:
         # The gradients inside the function run this backward: say the step cannot fit.
         best_effort = BestEffort(fixed_backward, by_backward=True)
-    return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort)
+    return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort,
+                   fused_chunk=min(fused_chunk, chunk), fused_unit=fused_unit)
+
+
+def _overlapping(op) -> bool:
+    """Whether ``op`` is a convolution whose windows overlap along a spatial axis (a kernel, dilated,
+    wider than its stride there), or one whose kernel or strides are not known."""
+    if op.type not in CONVOLUTIONS:
+        return False
+    kernel = op.inputs[1].shape.as_list()[:-2] if op.inputs[1].shape.rank else None
+    try:
+        fmt = op.get_attr("data_format")
+        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+        strides, dilations = list(op.get_attr("strides")), list(op.get_attr("dilations"))
+    except ValueError:
+        return True
+    spatial = [i for i, c in enumerate(fmt) if c not in "NC"]
+    if kernel is None or None in kernel or len(kernel) != len(spatial):
+        return True
+    return any((k - 1) * dilations[i] + 1 > strides[i] for k, i in zip(kernel, spatial))
+
+
+def gradient_unit(grown: Grown, beside: Beside, folded) -> float:
+    """The bytes a unit of the split axis costs the region's gradients, by the model's count of the
+    backward as traced: the materialised tensors shaped as one of the region's own, computed by the
+    gradient ops reading the region's tensors and by those reading theirs, as long as they are so
+    shaped (a kernel's [L, L, 4] differences, fused into their sum in the forward, are materialised
+    by their gradient).  A gradient leaving the region (its inputs') in a shape of the region's own
+    is followed on: the count errs large.  0 without gradients inside the function."""
+    if not beside.backward:
+        return 0.0
+    length, info = grown.region.length, beside.info
+    ops = [op for op in grown.included if op not in folded]
+    shaped = {tuple(o.shape.as_list()) for op in ops for o in op.outputs
+              if o.shape.rank and (i := info.get(o.name)) is not None and i.bytes and i.bytes >= length}
+    seen, total = set(), 0
+    todo = [c for op in ops for o in op.outputs for c in o.consumers() if c in beside.backward]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        outputs = [o for o in op.outputs if o.shape.rank and tuple(o.shape.as_list()) in shaped]
+        if not outputs:
+            continue
+        for o in outputs:
+            i = info.get(o.name)
+            if i is not None and i.materialised and i.bytes:
+                total += i.bytes
+            todo.extend(c for c in o.consumers() if c in beside.backward)
+    return total / length
 
 
 def saves_enough(figure: int, written: int, tuning: Tuning) -> bool:

@@ -72,7 +72,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from grappler_ext import blocked_linalg, blocked_top_k, folding, graph_edit, loop_convolutions, op_types, shapes
-from grappler_ext.op_types import HELD_OPS, LOOP_TYPES, RESERVE_SPACES, reserve_space
+from grappler_ext.op_types import CONVOLUTIONS, HELD_OPS, LOOP_TYPES, RESERVE_SPACES, reserve_space
 from grappler_ext.splitter.outcome import Code, Redrawable
 from grappler_ext.splitter.slicing import UNIT, Factor
 
@@ -919,7 +919,6 @@ def _per_channel(op: tf.Operation, channel: int, main_inputs: int, main_outputs:
 # (not for depthwise convolutions, whose outputs are input channel x multiplier).  Pooling is per
 # channel: a slice of the channels is the op on the input's slice (the window must not span channels).
 # A spatial axis is refused: each output row reads a window of input rows, overlapping its neighbours'.
-_CONVOLUTIONS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative")
 _POOLS = ("MaxPool", "AvgPool", "MaxPool3D", "AvgPool3D")
 
 
@@ -960,7 +959,7 @@ def _convolved(op: tf.Operation, axis: int, by_batch: Callable[[int], Propagatio
 
 # conv(x, W)[s:s+c] = conv(x[s:s+c], W);   conv(x, W)[.., s:s+c] = conv(x, W[.., s:s+c])  (channels last
 # in the output and in the filter [.., in, out])
-@rule(*_CONVOLUTIONS)
+@rule(*sorted(CONVOLUTIONS))
 def _convolution(op, output_index, axis):
     return _convolved(op, axis, lambda b: Propagation((b, None), (axis,)),
                       lambda: Propagation((None, op.inputs[1].shape.rank - 1), (axis,)))

@@ -119,35 +119,50 @@ class RegionSearch:
             if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)
-        if self.backward:
+        if self.backward and not fusable:
             # The program holds its forward activations for the gradients, and XLA's layout copies of
-            # them, beyond the model's count: a slice takes at most a share of the budget.
+            # them, beyond the model's count: a slice takes at most a share of the budget.  (A loop
+            # computing its gradients as it goes holds none of its own, and is planned with its gradients.)
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and bool(_drawn_in(grown.region))
         fused = chunks.chunk if fusable else None                       # the forward's chunk
+        if fused and planned.fused_chunk is not None and not run.options.sharded_inputs:
+            # A slice and its gradients: the fused unit's chunk.  (Not on a device mesh: DTensor runs each
+            # device's program with TensorFlow's executor, every op's result a buffer of its own: a
+            # training step on batch-sharded inputs, its loop's chunk planned by XLA's materialised
+            # tensors, peaked at 19.5 MB a device under a limit of 8.4 MB.)
+            backward_chunk = min(planned.fused_chunk, chunks.chunk)
+        by_figure = None
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
-            backward_chunk = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
-                lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c, fused=True,
-                                                asks=self.asks)) or backward_chunk
+            by_figure = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
+                                           lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c,
+                                                                           fused=True, asks=self.asks))
+            backward_chunk = by_figure or backward_chunk
         if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
                                int(chunks.predicted_bytes - (chunks.chunk - backward_chunk) * per_unit))
         if grown.region.written_into:                    # no remainder slice (see policy.without_tail)
             chunks = policy.without_tail(chunks, per_unit)
-        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused)
+        # (a row's bytes as the run's sizes scale the chunk: a fused loop's with its gradients, where the
+        # model's count gave its chunk, not XLA's figures for it alone)
+        row = planned.fused_unit if fused and planned.fused_unit and by_figure is None \
+            and not run.options.sharded_inputs else per_unit
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row)
 
-    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None) -> set | None:
+    def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
+              row: float | None = None) -> set | None:
         """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
-        (``fused``: the forward's own chunk, where the loop computes the gradients as it goes)."""
+        (``fused``: the forward's own chunk, where the loop computes the gradients as it goes; ``row``:
+        the bytes a row of a loop whose chunk is scaled to the run's sizes costs, if not ``per_unit``)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
         existing = set(graph.get_operations())
         dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
-            grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, per_unit)
+            grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, row or per_unit)
         try:
             with graph_edit.building(graph, run.name):
                 if draws:
@@ -175,9 +190,10 @@ class RegionSearch:
         # What each loop's body holds, for the memory model's view of the program as rewritten.
         joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
         room = run.grow_room.get(tensor.name, (0, 0))
+        fused_unit = best.planned.fused_unit or best.planned.backward_unit
         for op in forward_loops:     # a fused loop: a slice and its gradient, and the inputs' gradients
             run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined if fused is None else int(max(
-                room[1] * best.planned.backward_unit, chunks.chunk * best.planned.backward_unit - room[0])) + sum(
+                room[1] * fused_unit, chunks.chunk * fused_unit - room[0])) + sum(
                 nbytes(r.deref()) for r in set(grown.region.sliced_inputs) | grown.region.whole_inputs)
         backward_loops = mechanism.new_loops(graph, existing | set(forward_loops))
         # Grown into room the model did not see: counted as the rest less that room.
@@ -288,8 +304,9 @@ class RegionSearch:
                 # The region fits whole, but the gradients inside the function hold its tensors from
                 # the forward to the backward: a loop recomputes them there instead.
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
-                planned = policy.Planned(chunks, min(planned.backward_chunk, chunks.chunk), planned.per_unit,
-                                         planned.backward_unit, planned.best_effort)
+                fused_chunk = planned.fused_chunk and min(planned.fused_chunk, chunks.chunk)
+                planned = dataclasses.replace(planned, chunks=chunks, fused_chunk=fused_chunk,
+                                              backward_chunk=min(planned.backward_chunk, chunks.chunk))
             # (a plan again after one over the limit: loops along the sizes it split last)
             avoided = bool(self.run.avoid) and bool(
                 self.run.avoid & scaling.loop_sizes(grown.region, self.run.growth is not None))

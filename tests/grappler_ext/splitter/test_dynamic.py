@@ -17,11 +17,13 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
-from grappler_ext.splitter import lengths, nominal, rules, scaling
+from grappler_ext.pipeline import Pipeline
+from grappler_ext.splitter import Splitter, Tuning, lengths, nominal, rules, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import always_split
 from tf_memsafe import hook
+from tf_memsafe.memory import XlaMeasurer
 
 rng = np.random.RandomState(0)
 DB = tf.constant(rng.randn(2000, 3).astype(np.float32))
@@ -286,21 +288,25 @@ def dense_step(x):
 def test_a_loop_along_a_run_time_batch_is_grown_by_its_figure_and_runs_at_that_chunk():
     """A loop along the batch whose slices read other run-time dimensions ([?, ?] reshapes) but whose
     rows hold the same bytes at any batch: its loop alone is compiled at the nominal sizes, so the
-    gradients computed in it grow from the model's one row to what XLA's figures allow (a Keras ViT's
-    step: 1 -> 5 rows), and it runs at that chunk at a shorter batch too, within the limit, exactly."""
+    gradients computed in it grow from the model's chunk to what XLA's figures allow (a Keras ViT's
+    step: 3 -> 12 rows), and it runs at that chunk at a shorter batch too, within the limit, exactly.
+    (Planned from its gradients' count, its 2 rows of 41 are not starved: a loop of over two steps is
+    taken as starved here, so that it is grown.)"""
     limit = 4_000_000
     tf_memsafe.enable(limit, strict=True)
+    starved_from_two = Splitter(XlaMeasurer(), tuning=Tuning(fused_starved_steps=2))
     try:
-        f = tf.function(dense_step, jit_compile=True, input_signature=[tf.TensorSpec([None, 64, 16])])
-        f.get_concrete_function()
-        records = _records("dense_step")
-        codes = [r.code for r in records]
-        (plan,) = [r.plan for r in records if r.code == Code.SPLIT]
-        assert Code.GROWN in codes and plan.fused and plan.backward_chunk > 1, [r.reason for r in records]
-        x = tf.constant(rng.randn(20, 64, 16).astype(np.float32))       # (planned at 41)
-        hlo = f.experimental_get_compiler_ir(x)(stage="hlo")
-        assert f"f32[{plan.backward_chunk},64,512]" in hlo and "f32[1,64,512]" not in hlo
-        assert tf_memsafe.memory_footprint(f, tf.TensorSpec([20, 64, 16])) <= limit
+        with hook.use_pipeline(Pipeline([starved_from_two])):
+            f = tf.function(dense_step, jit_compile=True, input_signature=[tf.TensorSpec([None, 64, 16])])
+            f.get_concrete_function()
+            records = _records("dense_step")
+            codes = [r.code for r in records]
+            (plan,) = [r.plan for r in records if r.code == Code.SPLIT]
+            assert Code.GROWN in codes and plan.fused and plan.backward_chunk > 1, [r.reason for r in records]
+            x = tf.constant(rng.randn(20, 64, 16).astype(np.float32))       # (planned at 41)
+            hlo = f.experimental_get_compiler_ir(x)(stage="hlo")
+            assert f"f32[{plan.backward_chunk},64,512]" in hlo and "f32[1,64,512]" not in hlo
+            assert tf_memsafe.memory_footprint(f, tf.TensorSpec([20, 64, 16])) <= limit
     finally:
         tf_memsafe.disable()
     naive = tf.function(dense_step, jit_compile=True)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext.pipeline import Pipeline
-from grappler_ext.splitter import Splitter, analysis, loop
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, analysis, loop, mechanism
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
@@ -104,8 +104,8 @@ def assert_close(got, expected, rtol=1e-10):
         assert np.linalg.norm(g - e) <= rtol * np.linalg.norm(e), np.linalg.norm(g - e) / np.linalg.norm(e)
 
 
-def run_both(loss, args, specs=None, limit=LIMIT):
-    initial = HEADS if loss is multi_head else INITIAL
+def run_both(loss, args, specs=None, limit=LIMIT, initial=None):
+    initial = initial or (HEADS if loss is multi_head else INITIAL)
     limit = 4 * limit if loss is multi_head else limit            # four heads' scores
     expected = tf.function(step_fn(loss, variables(initial)), jit_compile=True)(*args)
     tf_memsafe.enable(limit, strict=True)
@@ -124,6 +124,32 @@ def test_one_loop_computes_the_loss_and_its_gradients(loss):
     assert plans and all(p.fused for p in plans), [p.render() for p in loops()]
     assert "its gradients computed in the same loop" in plans[0].render()
     assert footprint <= (4 * LIMIT if loss is multi_head else LIMIT), [p.render() for p in loops()]
+    assert_close(got, expected)
+
+
+MLP = [RNG.standard_normal((16, 512)) / 4, RNG.standard_normal((512, 16)) / 16]
+
+
+def mlp(x, t, weights):
+    """A hidden layer of 512 a row: [1024, 512] float64, 4 MB, and its gradient as large."""
+    return tf.reduce_mean(tf.square(tf.tanh(x @ weights[0]) @ weights[1] - t))
+
+
+def test_its_chunk_is_planned_from_its_gradients_without_compiling_the_loop_alone(monkeypatch):
+    """A loop computing its gradients as it goes is planned by the model's count of a slice's forward
+    tensors and of their gradients in the backward as traced, not five forward slices' worth (the
+    backward loop's factor): it is not starved, so no loop is compiled alone to grow it.  Before, the
+    model gave it 16 rows (64 steps), grown by three compiles of the loop alone (each a trace of its
+    body and an XLA compile: a Keras ViT's step spent 30 s of its 61 s of rewriting in four)."""
+    compiled = []
+    figure = mechanism.loop_figure
+    monkeypatch.setattr(mechanism, "loop_figure", lambda *a, **k: compiled.append(a[3]) or figure(*a, **k))
+    got, expected, footprint = run_both(mlp, (X, TARGET), initial=MLP)
+    (plan,) = {p.render(): p for p in loops()}.values()        # (traced twice: the footprint's trace)
+    records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
+    assert plan.fused and L // plan.backward_chunk < DEFAULT_TUNING.fused_starved_steps, plan.render()
+    assert compiled == [] and not [r for r in records if r.code in (Code.GROWN, Code.NOT_GROWN)], compiled
+    assert footprint <= LIMIT
     assert_close(got, expected)
 
 

@@ -18,7 +18,7 @@ from grappler_ext.splitter import Splitter
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
-L, D, E = 16384, 8, 64            # the [L, E] products: 2 MB in a half type, over a 2 MB limit
+L, D, E = 16384, 8, 64            # the [L, E] products: 2 MB in a half type, over a 1.5 MB limit
 RNG = np.random.default_rng(0)
 X = RNG.uniform(0, 0.01, (L, D))
 W = RNG.uniform(0, 1, (D, E))
@@ -42,7 +42,7 @@ def test_sums_over_slices_round_as_the_unsplit_program(dtype):
     x, w = tf.constant(X, dtype), tf.constant(W, dtype)
     exact = [t.numpy() for t in tf.function(step, jit_compile=True)(tf.cast(x, tf.float64), tf.cast(w, tf.float64))]
     naive = tf.function(step, jit_compile=True)(x, w)
-    tf_memsafe.enable(2_000_000, strict=True)
+    tf_memsafe.enable(1_500_000, strict=True)
     with hook.use_pipeline(Pipeline([Splitter(XlaMeasurer())])):
         split = tf.function(step, jit_compile=True)(x, w)
     plans = [r.plan for rep in tf_memsafe.reports() for r in rep.records if r.action == "rewritten"]

@@ -6,6 +6,7 @@ whose [3000, 2000] distance matrix is 48 MB; limits of 4-16 MB make it split.
 """
 
 import dataclasses
+import types
 
 import pytest
 import tensorflow as tf
@@ -167,7 +168,7 @@ class TestCalibrated:
         compiled alone, and the record says so rather than that a measurement failed."""
         _, grown, _ = region
         measured = []
-        grown.region.scaled = object()                  # (any Scaling: only its presence is read)
+        grown.region.scaled = types.SimpleNamespace(steady=False)    # (a Scaling whose rows grow with the sizes)
         try:
             chunks, sized = self.sized(region, lambda c: measured.append(c) or 10**5)
         finally:
@@ -323,3 +324,20 @@ def test_a_best_effort_names_what_the_rest_of_the_program_holds_beside_it():
     assert planned.best_effort is not None, planned
     assert "the rest of the program holds" in planned.best_effort.render(), planned.best_effort.render()
     assert "the largest `MatMul:0` (15,995,168 B)" in planned.best_effort.render()
+
+
+@pytest.mark.parametrize("kernel,strides,dilations,overlap", [
+    (3, 1, 1, True),            # a CNN's 3 x 3 windows, one pixel apart
+    (4, 4, 1, False),           # a Vision Transformer's patches, side by side
+    (2, 2, 2, True),            # dilated: a 2 x 2 kernel spans 3 pixels
+    (1, 1, 1, False),           # a pointwise convolution
+])
+def test_a_convolution_whose_windows_overlap_is_planned_by_the_backward_loops_factor(kernel, strides, dilations,
+                                                                                       overlap):
+    """Its gradients computed as a loop goes hold XLA's layouts of it beyond the model's count (a Keras
+    CNN's loop alone, 5.6 times the forward slice a row): such a region is planned as a backward loop
+    is; a convolution whose windows lie side by side is counted as the model counts any product."""
+    graph = tf.function(lambda x, w: tf.nn.conv2d(x, w, strides, "VALID", dilations=dilations)).get_concrete_function(
+        tf.TensorSpec([2, 16, 16, 3]), tf.TensorSpec([kernel, kernel, 3, 8])).graph
+    (conv,) = [op for op in graph.get_operations() if op.type == "Conv2D"]
+    assert policy._overlapping(conv) is overlap
