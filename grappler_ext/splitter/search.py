@@ -119,7 +119,12 @@ class RegionSearch:
             if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)
-        if self.backward and not fusable:
+        # A loop computing its gradients as it goes is planned with them (the fused unit's chunk), not on
+        # a device mesh: DTensor runs each device's program with TensorFlow's executor, every op's result
+        # a buffer of its own (a training step on batch-sharded inputs, its loop's chunk planned by XLA's
+        # materialised tensors, peaked at 19.5 MB a device under a limit of 8.4 MB).
+        counted = fusable and planned.fused_chunk is not None and not run.options.sharded_inputs
+        if self.backward and not counted:
             # The program holds its forward activations for the gradients, and XLA's layout copies of
             # them, beyond the model's count: a slice takes at most a share of the budget.  (A loop
             # computing its gradients as it goes holds none of its own, and is planned with its gradients.)
@@ -127,11 +132,7 @@ class RegionSearch:
             backward_chunk = min(backward_chunk, chunks.chunk)
         draws = self.reseed is not None and bool(_drawn_in(grown.region))
         fused = chunks.chunk if fusable else None                       # the forward's chunk
-        if fused and planned.fused_chunk is not None and not run.options.sharded_inputs:
-            # A slice and its gradients: the fused unit's chunk.  (Not on a device mesh: DTensor runs each
-            # device's program with TensorFlow's executor, every op's result a buffer of its own: a
-            # training step on batch-sharded inputs, its loop's chunk planned by XLA's materialised
-            # tensors, peaked at 19.5 MB a device under a limit of 8.4 MB.)
+        if counted:
             backward_chunk = min(planned.fused_chunk, chunks.chunk)
         by_figure = None
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
@@ -147,8 +148,7 @@ class RegionSearch:
             chunks = policy.without_tail(chunks, per_unit)
         # (a row's bytes as the run's sizes scale the chunk: a fused loop's with its gradients, where the
         # model's count gave its chunk, not XLA's figures for it alone)
-        row = planned.fused_unit if fused and planned.fused_unit and by_figure is None \
-            and not run.options.sharded_inputs else per_unit
+        row = planned.fused_unit if counted and by_figure is None else per_unit
         return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
