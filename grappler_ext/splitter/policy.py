@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from grappler_ext.op_types import ARGUMENT_OPS, CONVOLUTIONS, HELD_OPS, nbytes
-from grappler_ext.splitter import chunk_plan
+from grappler_ext.op_types import ARGUMENT_OPS, HELD_OPS, nbytes
+from grappler_ext.splitter import chunk_plan, rules
 from grappler_ext.splitter.analysis import Grown, joined_bytes, materialised_bytes, top_k
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.loop import external_inputs
@@ -259,7 +259,7 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     # batch's attention along its queries, 9 rows planned at [8, 172], was 1.37 MB at [16, 256] under a
     # limit of 1.08 MB).
     scaled = region.scaled is not None and not region.scaled.steady
-    fused_unit = backward_unit if scaled or any(_overlapping(op) for op in grown.included) else min(
+    fused_unit = backward_unit if scaled or any(rules.windows_overlap(op) for op in grown.included) else min(
         backward_unit, per_unit + gradient_unit(grown, beside, folded) / tuning.safety_margin)
     as_one = chunk_plan.plan_chunks(length, fused_unit, max(0, fixed + gradients - beside.room[0]), budget)
     fused_chunk = at_least(as_one.chunk if as_one else max(1, int(chunk * per_unit / fused_unit)), length, k) or chunk
@@ -268,24 +268,6 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
         best_effort = BestEffort(fixed_backward, by_backward=True)
     return Planned(chunks, min(backward_chunk, chunk), per_unit, backward_unit, best_effort,
                    fused_chunk=min(fused_chunk, chunk), fused_unit=fused_unit)
-
-
-def _overlapping(op) -> bool:
-    """Whether ``op`` is a convolution whose windows overlap along a spatial axis (a kernel, dilated,
-    wider than its stride there), or one whose kernel or strides are not known."""
-    if op.type not in CONVOLUTIONS:
-        return False
-    kernel = op.inputs[1].shape.as_list()[:-2] if op.inputs[1].shape.rank else None
-    try:
-        fmt = op.get_attr("data_format")
-        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
-        strides, dilations = list(op.get_attr("strides")), list(op.get_attr("dilations"))
-    except ValueError:
-        return True
-    spatial = [i for i, c in enumerate(fmt) if c not in "NC"]
-    if kernel is None or None in kernel or len(kernel) != len(spatial):
-        return True
-    return any((k - 1) * dilations[i] + 1 > strides[i] for k, i in zip(kernel, spatial))
 
 
 def gradient_unit(grown: Grown, beside: Beside, folded) -> float:

@@ -93,6 +93,7 @@ __all__ = [
     "rule",
     "factor_axis",
     "image_axes",
+    "windows_overlap",
 ]
 
 Rebuild = Callable[[tf.Operation, Sequence[tf.Tensor], int], list[tf.Tensor]]
@@ -931,6 +932,21 @@ def image_axes(op: tf.Operation, rank: int) -> tuple[int, int] | Refusal:
     if fmt in ("NCHW", "NCDHW", "NCW"):
         return 0, 1
     return Refusal(f"`{op.type}` ({op.name}) has data format {fmt!r}: no rule")
+
+
+def windows_overlap(op: tf.Operation) -> bool:
+    """Whether ``op`` is a convolution whose windows overlap along a spatial axis (its kernel, dilated,
+    wider than its stride there: a CNN's 3 x 3, not a Vision Transformer's patches), or one whose
+    kernel, strides or data format are not known."""
+    if op.type not in CONVOLUTIONS:
+        return False
+    rank, kernel = op.inputs[0].shape.rank, op.inputs[1].shape
+    axes = image_axes(op, rank) if rank else None
+    if not isinstance(axes, tuple) or kernel.rank != rank or None in kernel.as_list()[:-2]:
+        return True
+    strides, dilations = op.get_attr("strides"), op.get_attr("dilations")
+    spatial = [a for a in range(rank) if a not in axes]
+    return any((k - 1) * dilations[a] + 1 > strides[a] for k, a in zip(kernel.as_list()[:-2], spatial))
 
 
 def _spatial(op: tf.Operation, axis: int) -> Refusal:

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from grappler_ext import memory_model
 from grappler_ext.graph_query import topological_order
-from grappler_ext.splitter import DEFAULT_TUNING, Code, Sizing, Tuning, analysis, policy
+from grappler_ext.splitter import DEFAULT_TUNING, Code, Sizing, Tuning, analysis, policy, rules
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from tf_memsafe.memory import MeasurementError
 
@@ -340,4 +340,4 @@ def test_a_convolution_whose_windows_overlap_is_planned_by_the_backward_loops_fa
     graph = tf.function(lambda x, w: tf.nn.conv2d(x, w, strides, "VALID", dilations=dilations)).get_concrete_function(
         tf.TensorSpec([2, 16, 16, 3]), tf.TensorSpec([kernel, kernel, 3, 8])).graph
     (conv,) = [op for op in graph.get_operations() if op.type == "Conv2D"]
-    assert policy._overlapping(conv) is overlap
+    assert rules.windows_overlap(conv) is overlap
