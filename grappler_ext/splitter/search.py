@@ -148,14 +148,17 @@ class RegionSearch:
             chunks = policy.without_tail(chunks, per_unit)
         # (a row's bytes as the run's sizes scale the chunk: a fused loop's with its gradients, where the
         # model's count gave its chunk, not XLA's figures for it alone)
-        row = planned.fused_unit if counted and by_figure is None else per_unit
-        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row)
+        unit = planned.fused_unit if counted else None
+        row = unit if unit and by_figure is None else per_unit
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row, unit)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
-              row: float | None = None) -> set | None:
+              row: float | None = None, fused_unit: float | None = None) -> set | None:
         """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
         (``fused``: the forward's own chunk, where the loop computes the gradients as it goes; ``row``:
-        the bytes a row of a loop whose chunk is scaled to the run's sizes costs, if not ``per_unit``)."""
+        the bytes a row of a loop whose chunk is scaled to the run's sizes costs, if not ``per_unit``;
+        ``fused_unit``: a fused loop's bytes a row where its gradients' count planned it, else the
+        backward loop's)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
@@ -190,7 +193,7 @@ class RegionSearch:
         # What each loop's body holds, for the memory model's view of the program as rewritten.
         joined = sum(nbytes(x) for r in roots for x in r.outputs)      # the result, written as it goes
         room = run.grow_room.get(tensor.name, (0, 0))
-        fused_unit = best.planned.fused_unit or best.planned.backward_unit
+        fused_unit = fused_unit or best.planned.backward_unit
         for op in forward_loops:     # a fused loop: a slice and its gradient, and the inputs' gradients
             run.loop_bytes[op.name] = int(chunks.chunk * per_unit) + joined if fused is None else int(max(
                 room[1] * fused_unit, chunks.chunk * fused_unit - room[0])) + sum(
