@@ -206,10 +206,10 @@ class Estimate:
 # --- the analysis -----------------------------------------------------------------------------
 
 # Layout ops whose output is larger than an input without reading any element twice.
-_NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad"})
+_NO_REUSE = frozenset({"ConcatV2", "Pad", "PadV2", "MirrorPad", "SpaceToBatchND", "BatchToSpaceND"})
 # Ops whose output is an array even where every input is one value broadcast (see _from_constants).
 _ARRAY_MAKERS = frozenset({"Range", "LinSpace", "OneHot", "MatrixDiagV3", "MatrixSetDiagV3", "MatrixBandPart",
-                           "ConcatV2", "Pad", "PadV2", "MirrorPad", "Cumsum", "Cumprod"})
+                           "ConcatV2", "Pad", "PadV2", "MirrorPad", "Cumsum", "Cumprod", "SpaceToBatchND"})
 _FED = frozenset({"Placeholder", "PlaceholderV2", "PlaceholderWithDefault"})   # values from outside the graph
 
 

@@ -554,6 +554,9 @@ _register("DynamicStitch ParallelDynamicStitch", Rule(Kind.LOOP))
 _register("StridedSliceGrad", Rule(Kind.LOOP, static_inputs=(0, 1, 2, 3)))
 _register("BiasAddGrad FusedBatchNormV3 FusedBatchNormGradV3", Rule(Kind.LIBRARY))
 _register("Pad MirrorPad", Rule(Kind.LOOP, static_inputs=(1,)))
+# Blocks of the spatial axes moved into the batch and back (a dilated convolution): XLA pads, reshapes
+# and transposes, a copy of the (padded) input.
+_register("SpaceToBatchND BatchToSpaceND", Rule(Kind.LOOP, static_inputs=(1, 2)))
 _register("PadV2", Rule(Kind.LOOP, static_inputs=(1,)))
 _register("Tile BroadcastTo ReverseV2", Rule(Kind.LOOP, static_inputs=(1,)))
 _register("GatherV2", Rule(Kind.LOOP, static_inputs=(2,)))

@@ -666,6 +666,10 @@ def _kept(reader: tf.Operation, slots: list[int], axis: int, factor) -> tuple[ru
         found = rules.factor_axis(shapes.exact_dims(reader.outputs[0]), shapes.exact_dims(reader.inputs[0]), axis,
                                   factor)
         candidates = [found] if found is not None else candidates if factor.unit else []
+    elif reader.type in ("SpaceToBatchND", "BatchToSpaceND") and slots == [0] and axis == 0:
+        # Its batch holds the split axis with the blocks moved into it, or out of it.
+        moved = rules.batch_blocks_factor(reader, factor)
+        candidates = [(0, moved)] if moved is not None else []
     for b, out_factor in candidates:
         prop = rules.propagate(reader, 0, b, factor=out_factor)
         if prop and all(prop.input_axes[j] == axis and prop.factor(j, out_factor) == factor for j in slots):

@@ -94,6 +94,7 @@ __all__ = [
     "factor_axis",
     "image_axes",
     "windows_overlap",
+    "batch_blocks_factor",
 ]
 
 Rebuild = Callable[[tf.Operation, Sequence[tf.Tensor], int], list[tf.Tensor]]
@@ -1178,7 +1179,46 @@ def factor_axis(in_dims, out_dims, axis, factor: Factor) -> tuple[int, Factor] |
     return None
 
 
-_FACTORED = {"Reshape"}   # rules that take the factor the split axis lies at in the output
+# space_to_batch(x, b, P): the output's batch is [prod(b), B] merged, B minor (output row p * B + i
+# is block p of input row i), so a slice of x's rows gives those rows of every block, block-major:
+# the split batch lies in the output's batch at Factor(prod(b) * outer, inner) where it lies in x's
+# at Factor(outer, inner).  batch_to_space is the inverse.  (Keras' dilated Conv1D and Conv2D:
+# SpaceToBatchND, the convolution, BatchToSpaceND; a WaveNet's or DeepLab's atrous blocks.)  The
+# axes moved into blocks are refused; the channels pass as they are.
+@rule("SpaceToBatchND", "BatchToSpaceND")
+def _space_and_batch(op, output_index, axis, factor: Factor = UNIT):
+    block = _const(op.inputs[1])
+    if block is None:
+        return _not_constant(op, "the block shape")
+    if 1 <= axis <= block.size:
+        return Refusal(f"`{op.type}` ({op.name}) moves blocks of axis {axis} into the batch: it is not split")
+    if axis > block.size:
+        return Propagation((axis, None, None), (axis,))
+    inner = batch_blocks_factor(op, factor, to_input=True)
+    if inner is None:
+        return Refusal(f"`{op.type}` ({op.name}): the split axis lies at {factor} of its batch, not within the "
+                       "batch its blocks are moved along")
+    return Propagation((0, None, None), (0,), input_factors=(inner, None, None))
+
+
+def batch_blocks_factor(op: tf.Operation, factor: Factor, to_input: bool = False) -> Factor | None:
+    """Where the split axis lies in the batch of a ``SpaceToBatchND``'s or ``BatchToSpaceND``'s output,
+    given where it lies in its input's (``factor``); ``to_input``: the other way.  ``None`` where it
+    lies in no whole rows of the smaller batch."""
+    block = _const(op.inputs[1])
+    if block is None:
+        return None
+    blocks = int(np.prod(block))
+    grows = (op.type == "SpaceToBatchND") != to_input        # the result's batch has the blocks in it
+    if grows:
+        return Factor(factor.outer * blocks, factor.inner)
+    if not isinstance(factor.outer, int) or factor.outer % blocks:
+        return None
+    return Factor(factor.outer // blocks, factor.inner)
+
+
+# Rules that take the factor the split axis lies at in the output
+_FACTORED = {"Reshape", "SpaceToBatchND", "BatchToSpaceND"}
 
 
 # expand_dims(x, d)[.., s:s+c, ..] = expand_dims(x[.., s:s+c, ..], d)   the axis shifted past d;

@@ -11,6 +11,7 @@ the given words instead.  Integer and boolean results are compared exactly, floa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -390,6 +391,14 @@ case("ConcatV2", lambda x, y, z: tf.concat([x, y, z], -1), [_data([3, 4, i + 1],
 case("Pad", lambda x: tf.pad(x, [[0, 0], [1, 2], [0, 0]]), _x3, refused={1: "pads axis 1, the split axis, by (1, 2)"})
 case("PadV2", lambda x: tf.pad(x, [[0, 0], [0, 0], [0, 1]], constant_values=7), _i3, refused={2: "pads axis 2"})
 case("MirrorPad", lambda x: tf.pad(x, [[1, 1], [0, 0], [0, 0]], mode="REFLECT"), _x3, refused={0: "pads axis 0"})
+# A dilated convolution's blocks: [4, 6, 5, 3] padded to [4, 6, 6, 3] and moved into the batch by
+# blocks of [2, 3] ([24, 3, 2, 3]), and back.  Along the whole batch of blocks: refused (a row of it is
+# one block of one example); the batch back, from rows of every block (Factor(6, 1)); channels as they are.
+case("SpaceToBatchND", lambda x: tf.space_to_batch_nd(x, [2, 3], [[0, 0], [1, 0]]), [_data([4, 6, 5, 3], F32)],
+     refused={0: "not within the batch its blocks are moved along", 1: "moves blocks of axis 1",
+              2: "moves blocks of axis 2"})
+case("BatchToSpaceND", lambda x: tf.batch_to_space(x, [2, 3], [[0, 0], [1, 0]]), [_data([24, 3, 2, 3], F32)],
+     refused={1: "moves blocks of axis 1", 2: "moves blocks of axis 2"})
 case("GatherV2", lambda p, i: tf.gather(p, i, axis=1), [_data([5, 4, 3], F32), _data([2, 6], I32, 1, low=0, high=4)])
 case("GatherV2", lambda p, i: tf.gather(p, i, axis=0), [_data([5, 3], I32), _data([4], I32, 1, low=0, high=5)],
      id="GatherV2-i32-axis0")
@@ -594,6 +603,28 @@ def test_a_reshape_maps_every_factor_it_can_and_only_those(before, after):
                     for o in (o for o in range(1, d + 1) if d % (o * n) == 0):
                         assert _flat(before, b, Factor(o, d // (o * n)), start, chunk) != target, (
                             f"axis {axis} at {factor} refused, but input axis {b} holds it: {prop.reason}")
+
+
+def test_space_to_batch_gives_the_rows_of_every_block_for_a_slice_of_the_batch():
+    """``SpaceToBatchND``'s batch, reached at the factor ``BatchToSpaceND`` puts the split batch at (the
+    blocks outer, block-major): a slice of the input's rows gives exactly those rows of its output."""
+    x = np.arange(4 * 6 * 5 * 3, dtype=np.float32).reshape([4, 6, 5, 3])
+    op = _op(lambda t: tf.space_to_batch_nd(t, [2, 3], [[0, 0], [1, 0]]), tf.TensorSpec([4, 6, 5, 3]))
+    back = _op(lambda t: tf.batch_to_space(t, [2, 3], [[0, 0], [1, 0]]), tf.TensorSpec([24, 3, 2, 3]))
+    assert propagate(back, 0, 0).factor(0) == Factor(6, 1)
+    for factor in (Factor(6, 1), Factor(12, 1)):
+        n = 24 // factor.outer
+        prop = propagate(op, 0, 0, factor=factor)
+        assert prop.input_axes == (0, None, None) and prop.factor(0, factor) == Factor(factor.outer // 6, 1)
+        start, chunk = n // 3, max(1, n // 2)
+        want = _take(tf.space_to_batch_nd(x, [2, 3], [[0, 0], [1, 0]]).numpy(), 0, factor, start, chunk)
+        rows = tf.constant(_take(x, 0, prop.factor(0, factor), start, chunk))
+        rebuilt = functools.partial(prop.build, op, chunk=factor.rows(chunk))
+        got = tf.function(lambda r, b=rebuilt: b([r, tf.constant([2, 3]), tf.constant([[0, 0], [1, 0]])])[0],
+                          autograph=False)(rows)
+        np.testing.assert_array_equal(got.numpy(), want)
+    # The split axis at rows of one block only: no rows of the input give them.
+    assert "not within the batch" in propagate(op, 0, 0, factor=Factor(4, 1)).reason
 
 
 # --- refusals ---------------------------------------------------------------------------------------
