@@ -169,6 +169,52 @@ def calls_xla_function(graph) -> bool:
     return False
 
 
+# Op types XLA compiles without a kernel of its own: a function's arguments.
+_XLA_ARGUMENTS = frozenset({"Placeholder"})
+
+
+def op_types(graph) -> dict[str, str]:
+    """Every op type in ``graph`` and in the functions of its library (loop bodies, branches, calls:
+    a private attribute), each with the name of an op of that type; calls of those functions aside."""
+    found: dict[str, str] = {}
+    for op in graph.get_operations():
+        found.setdefault(op.type, op.name)
+    functions = getattr(graph, "_functions", {})
+    for f in functions.values():
+        try:
+            nodes = f.definition.node_def
+        except Exception:  # noqa: BLE001 - a function whose definition cannot be read adds nothing
+            continue
+        for node in nodes:
+            found.setdefault(node.op, node.name)
+    return {t: name for t, name in found.items() if t not in functions}
+
+
+def without_xla_kernel(types, device_type: str) -> list[str] | None:
+    """The op types among ``types`` that TensorFlow runs on ``device_type`` ("CPU", "GPU") but XLA cannot
+    compile there: no kernel of ``XLA_<device>_JIT`` in TensorFlow's kernel registry (``tf.linalg.slogdet``'s
+    ``LogMatrixDeterminant``, ``tf.py_function``).  ``None`` where XLA's kernels are not registered yet
+    (TensorFlow registers them at its first XLA compile in the process, or its first lowering)."""
+    from tensorflow.python.framework import kernels
+
+    def devices(op_type: str) -> set:
+        try:
+            return {k.device_type for k in kernels.get_registered_kernels_for_op(op_type).kernel}
+        except Exception:  # noqa: BLE001 - an op the registry cannot list is not judged
+            return set()
+
+    jit = f"XLA_{device_type}_JIT"
+    if jit not in devices("MatMul"):
+        return None
+    return sorted(t for t in types if t not in _XLA_ARGUMENTS and device_type in (d := devices(t)) and jit not in d)
+
+
+def register_xla_kernels() -> None:
+    """Have TensorFlow register XLA's compilation kernels (it does so at the first XLA lowering in the
+    process): a one-op function lowered to HLO, never compiled further or run."""
+    tf.function(lambda x: x + 1.0, jit_compile=True).experimental_get_compiler_ir(tf.constant(0.0))(stage="hlo")
+
+
 _TF_DATA_FUNCTION = "_tf_data_function"   # the attribute tf.data's traced transformation functions carry
 
 

@@ -167,6 +167,29 @@ def _device_type(graph=None) -> str:
     return "GPU"
 
 
+# What to compute instead of an op XLA cannot compile, where there is a usual way.
+_LOG_DET = "a log-determinant from tf.linalg.cholesky: 2 * sum(log(diag(L))) for a positive definite matrix"
+_XLA_ALTERNATIVES = {"LogMatrixDeterminant": _LOG_DET, "MatrixDeterminant": _LOG_DET,
+                     "EagerPyFunc": "a tf.py_function runs Python, which XLA never compiles"}
+
+
+def _without_xla_kernel(graph) -> dict[str, str]:
+    """The op types in ``graph`` (and its functions) that XLA cannot compile on its device, each with
+    an op's name; XLA's kernels registered first where no compile has yet done it."""
+    import tensorflow as tf
+
+    types, device = _tf_internals.op_types(graph), _device_type(graph)
+    missing = _tf_internals.without_xla_kernel(types, device)
+    if missing is None:
+        try:
+            with suspended(), tf.init_scope():
+                _tf_internals.register_xla_kernels()
+        except Exception:  # noqa: BLE001 - not judged: TensorFlow's own compile says what it cannot
+            return {}
+        missing = _tf_internals.without_xla_kernel(types, device) or []
+    return {t: types[t] for t in missing}
+
+
 def limit_bytes(opts: config.Options, graph=None) -> int:
     """``opts``' limit in bytes for the device ``graph`` runs on (GPU when one is visible, else CPU)."""
     if opts.memory_limit_bytes is not None:
@@ -210,6 +233,16 @@ def transform(graph) -> None:
         _report(TraceReport(name, True, "skipped", "the first trace, which created the function's variables: "
                             "TensorFlow traces it again without creating them and runs only that trace",
                             opts.memory_limit_bytes, retraced=True))
+        return
+    if info.xla_compiled and (missing := _without_xla_kernel(graph)):
+        ops = ", ".join(f"`{t}`" + ("" if op == t else f" (`{op}`)") for t, op in missing.items())
+        reason = (f"XLA has no kernel for {ops} on the {_device_type(graph)}, so it cannot compile this function, "
+                  "with or without tf_memsafe")
+        _report(TraceReport(name, True, "skipped", reason, opts.memory_limit_bytes))
+        hints = "".join(f" ({h})" for t, h in _XLA_ALTERNATIVES.items() if t in missing)
+        warnings.warn(f"tf_memsafe left `{name}` exactly as traced: {reason}; TensorFlow will raise when it compiles "
+                      f"it. Compute that part with ops XLA supports{hints}, or call the function without "
+                      "jit_compile=True.", RuntimeWarning, stacklevel=2)
         return
     try:
         sharded, problem = dtensor_inputs.sharded_inputs(graph), ""

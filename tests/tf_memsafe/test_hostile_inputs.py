@@ -293,6 +293,29 @@ def test_a_cholesky_inside_the_region_is_named():
     assert any(r.code == Code.REFUSED_OP and "Cholesky" in r.reason for r in splitter_records(mark))
 
 
+@pytest.mark.parametrize("fn, op_type, hint", [
+    (lambda x: tf.linalg.slogdet(tf.exp(-sq_dist(x, x)) + tf.eye(2000))[1], "LogMatrixDeterminant", "cholesky"),
+    (lambda x: tf.py_function(np.sort, [sq_dist(x, x)], tf.float32), "EagerPyFunc", "runs Python"),
+], ids=["slogdet", "py_function"])
+def test_an_op_xla_cannot_compile_is_named_and_the_function_left_as_traced(fn, op_type, hint):
+    """XLA has no kernel for ``tf.linalg.slogdet`` (nor for a ``tf.py_function``): the function is left
+    exactly as traced, with one warning naming the op and what to do, not a memory warning about a
+    program XLA cannot compile at all (before: the splitter's "holds 144 MB" advice, and its rewrite
+    time, then TensorFlow's own error)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tf_memsafe.enable("4MB")
+        mark = hook.report_mark()
+        traced = tf.function(fn, jit_compile=True).get_concrete_function(tf.TensorSpec([2000, 3]))
+    said = ours(caught)
+    assert len(said) == 1 and f"`{op_type}`" in said[0] and hint in said[0] and "exactly as traced" in said[0], said
+    [report] = hook.reports_since(mark)
+    assert report.status == "skipped" and op_type in report.reason and report.pipeline is None
+    assert op_type in {op.type for op in traced.graph.get_operations()}
+    with pytest.raises(tf.errors.InvalidArgumentError, match=op_type):
+        traced(tf.zeros([2000, 3]))
+
+
 def test_a_random_draw_inside_the_region_is_named_with_the_option():
     fn = lambda x, y: tf.math.top_k(tf.random.uniform([3000, 2000]) - sq_dist(x, y), k=3).indices
     with warnings.catch_warnings(record=True) as caught:
