@@ -102,7 +102,9 @@ def split_and_rebuild(case: Case):
                           for i, (t, a) in enumerate(zip(op.inputs, prop.input_axes))]
             rebuilt = prop.build(op, new_inputs, chunk, start)
             assert len(rebuilt) == len(op.outputs)
-            for old, new, a in zip(op.outputs, rebuilt, prop.output_axes):
+            for k, (old, new, a) in enumerate(zip(op.outputs, rebuilt, prop.output_axes)):
+                if k >= 3 and op.type == "FusedBatchNormV3" and not op.get_attr("is_training"):
+                    continue      # (reserve spaces an inference leaves as they were allocated: no values to compare)
                 expected = old if a is None else _slice(old, a, start, chunk)
                 # (a fused batch norm's third reserve space has no static shape: compared as it runs)
                 assert new.shape == expected.shape or expected.shape.rank is None, (axis, new.shape, expected.shape)
