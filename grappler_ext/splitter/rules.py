@@ -282,21 +282,16 @@ def is_stateful(op: tf.Operation) -> bool:
     return op.type in STATEFUL_TYPES or bool(getattr(op, "_is_stateful", False))
 
 
-# Ops a region computes again where they are read outside it too (:func:`recomputed`): elementwise
-# ops, products of small operands (a pairwise kernel's or distance's ``x @ y^T``) and a main
-# diagonal's matrix (``tf.eye``).
-RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE | {"MatMul", "BatchMatMulV2",
-                                                                                "MatrixDiagV3"}
+# Elementwise ops a region computes again where they are read outside it too (:func:`recomputed`).
+RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE
 
 
-def recomputed(op: tf.Operation, depth: int = 6) -> bool:
+def recomputed(op: tf.Operation, depth: int = 4) -> bool:
     """Whether a region computes its own slices of ``op``, which something outside it reads too (the op
-    itself staying for those readers): an elementwise op, a matrix product or a diagonal's matrix of
-    the program's inputs, variables and constants, of operands of an eighth its elements or fewer
-    (broadcast), or of such ops (a PCA's centred data ``x - mean``, read by the covariance and again
-    by the scores after ``eigh``; t-SNE's Student-t affinities ``1 / (1 + d(Y))``, read by their total
-    and again by the KL divergence each affinity is normalised in).  Its slices then hold nothing the
-    program does not hold anyway, and draw nothing (a dropout's mask)."""
+    itself staying for those readers): an elementwise op of the program's inputs, variables and
+    constants, of operands of an eighth its elements or fewer (broadcast), or of such ops (a PCA's
+    centred data ``x - mean``, read by the covariance and again by the scores after ``eigh``).  Its
+    slices then hold nothing the program does not hold anyway, and draw nothing (a dropout's mask)."""
     out = op.outputs[0] if len(op.outputs) == 1 else None
     if (op.type not in RECOMPUTED or out is None or is_stateful(op) or op.control_inputs
             or not out.shape.is_fully_defined() or not out.shape.num_elements()):
