@@ -496,7 +496,13 @@ def _outside(op, wanted, whole, included, graph_outputs, live, cloned: set, buil
         # (an earlier loop reading a draw holds it back: its slices are not drawn again)
         reader = next((c for c in o.consumers() if c not in included and not shape_reader(c) and (
             c in live or (c in built and c.type in LOOP_TYPES and rules.is_stateful(op)))), None)
-        if reader is not None and (not rules.recomputed(op) or returned(o, graph_outputs)):
+        # (products computed again only where what reads them outside reduces them in a loop of its
+        # own, which the region reads or which reads the region: a normaliser and what it normalises;
+        # or where the readers are such ops the region computes again, whose chain was judged so)
+        readers = [c for c in o.consumers() if c not in included and not shape_reader(c) and c in live]
+        reduced = bool(readers) and (all(c in cloned for c in readers) or (
+            _only_reduced(o, included, live) and _linked(o, included, live)))
+        if reader is not None and (not rules.recomputed(op, reduced) or returned(o, graph_outputs)):
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
                   f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else
@@ -505,6 +511,34 @@ def _outside(op, wanted, whole, included, graph_outputs, live, cloned: set, buil
         if reader is not None:
             cloned.add(op)
     return None
+
+
+def _only_reduced(t: tf.Tensor, included, live, depth: int = 8) -> bool:
+    """Whether what reads ``t`` outside the region (``included``) reduces it, directly or through
+    elementwise ops (a normaliser ``sum(t)``, a divergence ``sum(p * log(t / s))``): a loop of its own
+    can then compute ``t`` in slices too, and ``t`` need never be whole."""
+    for c in t.consumers():
+        if c in included or shape_reader(c) or c not in live or c.type in REDUCTIONS:
+            continue
+        if depth == 0 or c.type not in rules.RECOMPUTED or len(c.outputs) != 1 or not _only_reduced(
+                c.outputs[0], included, live, depth - 1):
+            return False
+    return True
+
+
+def _linked(t: tf.Tensor, included, live) -> bool:
+    """Whether a reader of ``t`` outside the region (``included``) is a reduction the region reads the
+    result of (t-SNE's total of its affinities, which the divergence's region divides by), or reads a
+    tensor the region computes (the divergence, outside the total's region, reads the total): each
+    needs the other's result, so no one loop computes both."""
+    for c in t.consumers():
+        if c in included or shape_reader(c) or c not in live:
+            continue
+        if c.type in REDUCTIONS and any(r in included for o in c.outputs for r in o.consumers()):
+            return True
+        if any(x is not t and x.op in included for x in c.inputs):
+            return True
+    return False
 
 
 # Times forward_roots ends the axis earlier, at a tensor where two of its paths part, and looks again.

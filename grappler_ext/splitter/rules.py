@@ -282,22 +282,31 @@ def is_stateful(op: tf.Operation) -> bool:
     return op.type in STATEFUL_TYPES or bool(getattr(op, "_is_stateful", False))
 
 
-# Elementwise ops a region computes again where they are read outside it too (:func:`recomputed`).
+# Ops a region computes again where they are read outside it too (:func:`recomputed`): elementwise
+# ops; and, where what reads them outside only reduces them, products of small operands (a pairwise
+# kernel's or distance's ``x @ y^T``) and a main diagonal's matrix (``tf.eye``).
 RECOMPUTED = op_types.UNARY_ELEMENTWISE | op_types.BROADCASTING_ELEMENTWISE
+RECOMPUTED_FOR_REDUCTIONS = frozenset({"MatMul", "BatchMatMulV2", "MatrixDiagV3"})
 
 
-def recomputed(op: tf.Operation, depth: int = 4) -> bool:
+def recomputed(op: tf.Operation, reduced: bool = False, depth: int | None = None) -> bool:
     """Whether a region computes its own slices of ``op``, which something outside it reads too (the op
     itself staying for those readers): an elementwise op of the program's inputs, variables and
     constants, of operands of an eighth its elements or fewer (broadcast), or of such ops (a PCA's
     centred data ``x - mean``, read by the covariance and again by the scores after ``eigh``).  Its
-    slices then hold nothing the program does not hold anyway, and draw nothing (a dropout's mask)."""
+    slices then hold nothing the program does not hold anyway, and draw nothing (a dropout's mask).
+    ``reduced``: what reads it outside only reduces it (a loop of its own can then compute it in
+    slices too, so that it is never whole): matrix products and a diagonal's matrix may be in the
+    chain (t-SNE's Student-t affinities ``1 / (1 + d(Y))``, with ``d`` from ``Y Y^T`` and the diagonal
+    zeroed by ``tf.eye``, read by their total and again by the divergence they are normalised in)."""
+    depth = (6 if reduced else 4) if depth is None else depth        # (t-SNE's affinities: 6 ops from Y Y^T)
     out = op.outputs[0] if len(op.outputs) == 1 else None
-    if (op.type not in RECOMPUTED or out is None or is_stateful(op) or op.control_inputs
-            or not out.shape.is_fully_defined() or not out.shape.num_elements()):
+    if (op.type not in RECOMPUTED and not (reduced and op.type in RECOMPUTED_FOR_REDUCTIONS) or out is None
+            or is_stateful(op) or op.control_inputs or not out.shape.is_fully_defined()
+            or not out.shape.num_elements()):
         return False
     return all((x.shape.is_fully_defined() and x.shape.num_elements() * 8 <= out.shape.num_elements())
-               or x.op.type in HELD_OPS or (depth > 0 and recomputed(x.op, depth - 1)) for x in op.inputs)
+               or x.op.type in HELD_OPS or (depth > 0 and recomputed(x.op, reduced, depth - 1)) for x in op.inputs)
 
 
 def _dynamic_tensor(op: tf.Operation) -> str | None:
