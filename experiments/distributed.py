@@ -62,8 +62,8 @@ class Row:
     bound_bytes: int                  # max(source shard, target shard), per device
     plan_peak_over_bound: float       # the plan's figure
     peak_over_bound: float            # XLA's: the most a device's assembly program allocates
-    allocator_over_bound: float       # the shared allocator's peak over 8 devices, tf_memsafe
-    dtensor_allocator_over_bound: float
+    allocator_over_bound: float | None   # the shared allocator's peak over 8 devices, tf_memsafe (None: no stats)
+    dtensor_allocator_over_bound: float | None
     time_s: float                     # median warm call, tf_memsafe
     dtensor_time_s: float
     time_ratio: float                 # time_s / dtensor_time_s
@@ -98,14 +98,21 @@ def measure(matrix: tuple[int, ...], vector: tuple[int, ...], repeats: int, quic
     def layout(specs):
         return dtensor.Layout([a or dtensor.UNSHARDED for a in specs], mesh)
 
+    def allocated(key: str) -> int | None:
+        try:
+            return tf.config.experimental.get_memory_info("CPU:0")[key]
+        except ValueError:      # (a build whose CPU allocator keeps no statistics: the CUDA build without a GPU)
+            return None
+
     def timed(fn):
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = allocated("current")
+        if before is not None:
+            tf.config.experimental.reset_memory_stats("CPU:0")
         start = time.perf_counter()
         out = fn()
         shards = [s.numpy() for s in dtensor.unpack(out)]
         seconds = time.perf_counter() - start
-        return shards, seconds, tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+        return shards, seconds, None if before is None else allocated("peak") - before
 
     rows = []
     for shape in (matrix, vector):
@@ -126,12 +133,13 @@ def measure(matrix: tuple[int, ...], vector: tuple[int, ...], repeats: int, quic
                 for name, fn in (("tf_memsafe", tf_memsafe.relayout), ("dtensor", dtensor.relayout)):
                     _, seconds, peak = timed(lambda fn=fn, x=x, target=target: fn(x, layout(target)))
                     runs[name].append((seconds, peak))
-            med = {k: (statistics.median(s for s, _ in v), statistics.median(p for _, p in v)) for k, v in runs.items()}
+            med = {k: (statistics.median(s for s, _ in v), None if any(p is None for _, p in v) else
+                       statistics.median(p for _, p in v)) for k, v in runs.items()}
             bound = plan.bound_bytes
             rows.append(Row("x".join(map(str, shape)), _text(source), _text(target),
                             ", ".join(_collective_text(c) for c in plan.collectives), bound,
                             plan.peak_over_bound, max(programs, default=0) / bound,
-                            med["tf_memsafe"][1] / 8 / bound, med["dtensor"][1] / 8 / bound,
+                            *(None if med[k][1] is None else med[k][1] / 8 / bound for k in ("tf_memsafe", "dtensor")),
                             med["tf_memsafe"][0], med["dtensor"][0], med["tf_memsafe"][0] / med["dtensor"][0], equal))
             del x
     return rows
@@ -146,7 +154,8 @@ def plot(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 4))
     labels = [f"{r.source}->{r.target}" + ("" if "x" in r.shape else " 1-D") for r in rows]
     at = range(len(rows))
-    ax.bar([i - 0.2 for i in at], [r.dtensor_allocator_over_bound for r in rows], 0.4, label="dtensor.relayout")
+    theirs = [float("nan") if r.dtensor_allocator_over_bound is None else r.dtensor_allocator_over_bound for r in rows]
+    ax.bar([i - 0.2 for i in at], theirs, 0.4, label="dtensor.relayout")
     ax.bar([i + 0.2 for i in at], [r.peak_over_bound for r in rows], 0.4, label="tf_memsafe.relayout")
     ax.axhline(1.25, color="k", lw=0.8, ls="--", label="1.25x the bound")
     ax.set_yscale("log")
@@ -170,7 +179,9 @@ def main(argv=None) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in measure(*sizes, quick=args.quick)]))
         return 0
     child = [sys.executable, "-m", "experiments.distributed", "--child"] + (["--quick"] if args.quick else [])
-    done = subprocess.run(child, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    # (the allocator's statistics: TensorFlow keeps them for a BFC allocator, its CPU default only with oneDNN)
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", **os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(child, capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if done.returncode:
         sys.stderr.write(done.stderr[-4000:])

@@ -398,9 +398,11 @@ def distributed_lines(data: dict) -> list[str]:
              m.num(r.peak_over_bound, ".2f"), m.num(r.allocator_over_bound, ".2f"),
              m.num(r.dtensor_allocator_over_bound, ".2f"), f"{r.time_s * 1e3:.3g} ms / {r.dtensor_time_s * 1e3:.3g} ms",
              m.num(r.time_ratio, ".2f"), "yes" if r.equal else "**NO**"] for r in rows]
+    theirs = [r.dtensor_allocator_over_bound for r in rows if r.dtensor_allocator_over_bound is not None]
+    allocator = (f"DTensor's allocator figure up to {max(theirs):.1f}x" if theirs else
+                 "no allocator figures (this TensorFlow build's CPU allocator keeps no statistics)")
     summary = (f"Worst tf_memsafe peak {worst.peak_over_bound:.2f}x the bound ({worst.source} -> {worst.target}); "
-               f"DTensor's allocator figure up to {max(r.dtensor_allocator_over_bound for r in rows):.1f}x; "
-               f"time ratio median {statistics.median(r.time_ratio for r in rows):.2f}, "
+               f"{allocator}; time ratio median {statistics.median(r.time_ratio for r in rows):.2f}, "
                f"worst {max(r.time_ratio for r in rows):.2f}." if rows else "No rows.")
     cluster = data.get("multi_worker")
     if cluster:

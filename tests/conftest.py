@@ -3,6 +3,11 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's CPU allocator keeps statistics (tf.config.experimental.get_memory_info: the allocator
+# peaks the DTensor, relayout and peak_memory tests read) only as a BFC allocator, TensorFlow's default
+# where oneDNN is on (CPUs with AVX-512), not on an AVX2-only CPU ("Allocator stats not available").
+# Set before TensorFlow starts; the tests' subprocesses inherit it.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import pytest  # noqa: E402
 

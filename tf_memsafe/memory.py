@@ -595,7 +595,13 @@ def peak_memory(fn, *args, device: str | None = None, **kwargs) -> int:
     """
     if device is None:
         device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as e:
+        raise MeasurementError(
+            f"TensorFlow keeps no allocator statistics for {device} in this process ({e}): on a CPU it keeps "
+            "them for its BFC allocator, its default only where oneDNN is on; start the process with "
+            "TF_CPU_ALLOCATOR_USE_BFC=true, or use memory_footprint (XLA's figure, nothing run)") from e
     before = tf.config.experimental.get_memory_info(device)["current"]
     result = fn(*args, **kwargs)
     tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)  # wait for it

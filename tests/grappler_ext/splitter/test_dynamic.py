@@ -68,7 +68,10 @@ def _close(got, want, what):
         if g.dtype.kind in "iu":
             assert (g == w).all(), what
         else:
-            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5, equal_nan=True, err_msg=what)
+            # (float32 sums in another order: absolute error scaled by the largest value; a kernel
+            # matvec's gradient is 4e-4 off on values of 25 on some CPUs)
+            scale = max(1.0, float(np.nanmax(np.abs(w), initial=0)))
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=5e-5 * scale, equal_nan=True, err_msg=what)
 
 
 def _equal_at_every_length(split, fn, chunk: int, what: str):
