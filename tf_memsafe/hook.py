@@ -173,12 +173,12 @@ _XLA_ALTERNATIVES = {"LogMatrixDeterminant": _LOG_DET, "MatrixDeterminant": _LOG
                      "EagerPyFunc": "a tf.py_function runs Python, which XLA never compiles"}
 
 
-def _without_xla_kernel(graph) -> dict[str, str]:
-    """The op types in ``graph`` (and its functions) that XLA cannot compile on its device, each with
-    an op's name; XLA's kernels registered first where no compile has yet done it."""
+def _without_xla_kernel(graph, device: str) -> dict[str, str]:
+    """The op types in ``graph`` (and its functions) that XLA cannot compile on ``device`` ("CPU",
+    "GPU"), each with an op's name; XLA's kernels registered first where no compile has yet done it."""
     import tensorflow as tf
 
-    types, device = _tf_internals.op_types(graph), _device_type(graph)
+    types = _tf_internals.op_types(graph)
     missing = _tf_internals.without_xla_kernel(types, device)
     if missing is None:
         try:
@@ -234,9 +234,10 @@ def transform(graph) -> None:
                             "TensorFlow traces it again without creating them and runs only that trace",
                             opts.memory_limit_bytes, retraced=True))
         return
-    if info.xla_compiled and (missing := _without_xla_kernel(graph)):
+    device = _device_type(graph) if info.xla_compiled else None
+    if device is not None and (missing := _without_xla_kernel(graph, device)):
         ops = ", ".join(f"`{t}`" + ("" if op == t else f" (`{op}`)") for t, op in missing.items())
-        reason = (f"XLA has no kernel for {ops} on the {_device_type(graph)}, so it cannot compile this function, "
+        reason = (f"XLA has no kernel for {ops} on the {device}, so it cannot compile this function, "
                   "with or without tf_memsafe")
         _report(TraceReport(name, True, "skipped", reason, opts.memory_limit_bytes))
         hints = "".join(f" ({h})" for t, h in _XLA_ALTERNATIVES.items() if t in missing)

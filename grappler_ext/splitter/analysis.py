@@ -496,13 +496,10 @@ def _outside(op, wanted, whole, included, graph_outputs, live, cloned: set, buil
         # (an earlier loop reading a draw holds it back: its slices are not drawn again)
         reader = next((c for c in o.consumers() if c not in included and not shape_reader(c) and (
             c in live or (c in built and c.type in LOOP_TYPES and rules.is_stateful(op)))), None)
-        # (products computed again only where what reads them outside reduces them in a loop of its
-        # own, which the region reads or which reads the region: a normaliser and what it normalises;
-        # or where the readers are such ops the region computes again, whose chain was judged so)
-        readers = [c for c in o.consumers() if c not in included and not shape_reader(c) and c in live]
-        reduced = bool(readers) and (all(c in cloned for c in readers) or (
-            _only_reduced(o, included, live) and _linked(o, included, live)))
-        if reader is not None and (not rules.recomputed(op, reduced) or returned(o, graph_outputs)):
+        # (an op computed again as elementwise ones are, or, where what reads it outside reduces it in
+        # a loop of its own, with products in its chain: those readers judged only then)
+        if reader is not None and (returned(o, graph_outputs) or not (rules.recomputed(op) or (
+                _reduced_elsewhere(o, included, live, cloned) and rules.recomputed(op, reduced=True)))):
             what = f"what an earlier split computed (`{op.name}`)" if graph_edit.is_generated(op) else f"`{op.name}`"
             by = (f"by a loop of an earlier split (`{reader.name}`)" if graph_edit.is_generated(reader) else
                   f"by the program's own loop `{reader.name}`" if reader.type in LOOP_TYPES else
@@ -511,6 +508,15 @@ def _outside(op, wanted, whole, included, graph_outputs, live, cloned: set, buil
         if reader is not None:
             cloned.add(op)
     return None
+
+
+def _reduced_elsewhere(t: tf.Tensor, included, live, cloned: set) -> bool:
+    """Whether what reads ``t`` outside the region reduces it in a loop of its own, which the region
+    reads or which reads the region (a normaliser and what it normalises), or is itself computed again
+    by the region (a chain already judged so)."""
+    readers = [c for c in t.consumers() if c not in included and not shape_reader(c) and c in live]
+    return bool(readers) and (all(c in cloned for c in readers) or (
+        _only_reduced(t, included, live) and _linked(t, included, live)))
 
 
 def _only_reduced(t: tf.Tensor, included, live, depth: int = 8) -> bool:
