@@ -38,7 +38,7 @@ from tf_memsafe import config as _config  # noqa: E402
 from tf_memsafe import hook as _hook  # noqa: E402
 from tf_memsafe.config import Options  # noqa: E402
 from tf_memsafe.errors import RewriteError, TfMemsafeError, UnsupportedTensorFlowError  # noqa: E402
-from tf_memsafe.hook import TraceReport  # noqa: E402
+from tf_memsafe.hook import TraceCode, TraceReport  # noqa: E402
 from tf_memsafe.memory import (  # noqa: E402
     MeasurementError,
     TapeFootprint,
@@ -54,7 +54,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "enable", "disable", "is_enabled", "options", "get_options", "Options", "parse_memory_limit",
-    "MemoryLimit", "format_bytes", "reports", "TraceReport", "TfMemsafeError", "RewriteError",
+    "MemoryLimit", "format_bytes", "reports", "TraceReport", "TraceCode", "TfMemsafeError", "RewriteError",
     "UnsupportedTensorFlowError", "memory_footprint", "tape_footprint", "TapeFootprint", "peak_memory",
     "MeasurementError",
     "explain", "Report", "relayout", "explain_relayout", "RelayoutReport",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import threading
 import time
 import warnings
@@ -38,13 +39,26 @@ from grappler_ext.splitter.rules import redrawable_draws
 from tf_memsafe import _tf_internals, config, dtensor_inputs, run_check, tape_check
 from tf_memsafe.errors import RewriteError
 
-__all__ = ["TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports", "clear_reports",
-           "report_mark", "reports_since", "limit_bytes", "product_pipeline",
+__all__ = ["TraceCode", "TraceReport", "install", "uninstall", "is_installed", "active_in_this_thread", "reports",
+           "clear_reports", "report_mark", "reports_since", "limit_bytes", "product_pipeline",
            "use_pipeline", "suspended", "GENERATED_ATTR", "transform"]
 
 # Python attribute set on every FuncGraph tf_memsafe builds; the hook never rewrites those.
 GENERATED_ATTR = "_tf_memsafe_generated"
 MAX_REPORTS = 1000
+
+
+class TraceCode(str, enum.Enum):
+    """Why the hook did what it did with a trace: what tools read instead of the report's ``reason`` text."""
+
+    REWRITTEN = "rewritten"                  # a pass changed the program
+    UNCHANGED = "unchanged"                  # the passes ran and found nothing to rewrite
+    NOT_XLA = "not_xla"                      # not compiled with XLA, and calls no XLA-compiled function
+    CALLS_XLA = "calls_xla"                  # not compiled with XLA itself; the XLA functions it calls are rewritten
+    RETRACED = "retraced"                    # the first trace, which created variables; never compiled
+    NO_XLA_KERNEL = "no_xla_kernel"          # an op XLA cannot compile on the device (``TraceReport.ops``)
+    DTENSOR_UNMATCHED = "dtensor_unmatched"  # DTensor inputs not matched to the graph's inputs
+    PASS_FAILED = "pass_failed"              # a pass raised or broke the verifier; left as traced
 
 
 @dataclasses.dataclass
@@ -71,6 +85,8 @@ class TraceReport:
       run_checks: for a function with inputs of run-time sizes, the shapes it ran at beyond those it
         was planned at (if any), each with XLA's figure there (:class:`tf_memsafe.run_check.ShapeCheck`),
         filled as it runs.
+      code: why, as a :class:`TraceCode` (``None`` only in reports built by hand).
+      ops: for :attr:`TraceCode.NO_XLA_KERNEL`, the op types XLA has no kernel for, each with an op's name.
     """
 
     function_name: str
@@ -83,6 +99,8 @@ class TraceReport:
     rewrite_seconds: float | None = None
     retraced: bool = False
     run_checks: list = dataclasses.field(default_factory=list)
+    code: TraceCode | None = None
+    ops: tuple[tuple[str, str], ...] = ()
 
     @property
     def records(self):
@@ -223,7 +241,8 @@ def transform(graph) -> None:
         calls_xla = _tf_internals.calls_xla_function(graph)
         _report(TraceReport(name, False, "skipped", "not compiled with XLA itself; the XLA-compiled functions it "
                             "calls are rewritten on their own" if calls_xla else
-                            "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it"))
+                            "not compiled with XLA (jit_compile=True); set rewrite_non_jit=True to rewrite it",
+                            code=TraceCode.CALLS_XLA if calls_xla else TraceCode.NOT_XLA))
         if not info.tf_data and not calls_xla:
             _say_not_xla(name, opts)
         return
@@ -232,14 +251,15 @@ def transform(graph) -> None:
         # double the first call's cost for a program TensorFlow never compiles.
         _report(TraceReport(name, True, "skipped", "the first trace, which created the function's variables: "
                             "TensorFlow traces it again without creating them and runs only that trace",
-                            opts.memory_limit_bytes, retraced=True))
+                            opts.memory_limit_bytes, retraced=True, code=TraceCode.RETRACED))
         return
     device = _device_type(graph) if info.xla_compiled else None
     if device is not None and (missing := _without_xla_kernel(graph, device)):
         ops = ", ".join(f"`{t}`" + ("" if op == t else f" (`{op}`)") for t, op in missing.items())
         reason = (f"XLA has no kernel for {ops} on the {device}, so it cannot compile this function, "
                   "with or without tf_memsafe")
-        _report(TraceReport(name, True, "skipped", reason, opts.memory_limit_bytes))
+        _report(TraceReport(name, True, "skipped", reason, opts.memory_limit_bytes, code=TraceCode.NO_XLA_KERNEL,
+                            ops=tuple(missing.items())))
         hints = "".join(f" ({h})" for t, h in _XLA_ALTERNATIVES.items() if t in missing)
         warnings.warn(f"tf_memsafe left `{name}` exactly as traced: {reason}; TensorFlow will raise when it compiles "
                       f"it. Compute that part with ops XLA supports{hints}, or call the function without "
@@ -252,7 +272,8 @@ def transform(graph) -> None:
     if sharded is None:
         reason = ("its DTensor inputs could not be matched to the traced graph's inputs, so the axes the mesh "
                   f"shards are unknown{problem}")
-        _report(TraceReport(name, info.xla_compiled, "skipped", reason, opts.memory_limit_bytes))
+        _report(TraceReport(name, info.xla_compiled, "skipped", reason, opts.memory_limit_bytes,
+                            code=TraceCode.DTENSOR_UNMATCHED))
         warnings.warn(f"tf_memsafe left `{name}` exactly as traced: {reason}. Pass DTensors as positional "
                       "tensor arguments, or disable tf_memsafe for this function.", RuntimeWarning, stacklevel=2)
         return
@@ -270,7 +291,7 @@ def transform(graph) -> None:
         pass_name = e.pass_name if isinstance(e, PipelineError) else None
         previous = e.previous_passes if isinstance(e, PipelineError) else ()
         _report(TraceReport(name, info.xla_compiled, "failed", str(e).splitlines()[0], opts.memory_limit_bytes,
-                            rewrite_seconds=time.perf_counter() - start))
+                            rewrite_seconds=time.perf_counter() - start, code=TraceCode.PASS_FAILED))
         if opts.strict:
             raise RewriteError(f"tf_memsafe could not rewrite `{name}`: {e}", pass_name=pass_name,
                                previous_passes=previous, function_name=name) from e
@@ -285,7 +306,8 @@ def transform(graph) -> None:
     status = "rewritten" if result.changed else "unchanged"
     reason = "" if result.changed else "no pass found anything to rewrite"
     report = TraceReport(name, info.xla_compiled, status, reason, opts.memory_limit_bytes, result, before,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start,
+                         code=TraceCode.REWRITTEN if result.changed else TraceCode.UNCHANGED)
     _watch_run_time_sizes(graph, opts, report)
     if info.xla_compiled and opts.memory_limit_bytes and not result.warnings:
         tape_check.watch(graph, opts.memory_limit_bytes)      # (a tape outside it: its forward and backward)

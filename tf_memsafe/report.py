@@ -46,6 +46,7 @@ class Report:
       status: the hook's status for the trace: ``"rewritten"``, ``"unchanged"``, ``"skipped"`` or
         ``"failed"`` (see :class:`~tf_memsafe.hook.TraceReport`).
       reason: one line saying why, for every status but ``"rewritten"``.
+      code: the same as a :class:`~tf_memsafe.hook.TraceCode` (``None``: the hook saw no trace of it).
       records: every pass's records for the trace, in the order the passes ran.
       compile_before_seconds, compile_after_seconds: the time to trace and compile (not run) the
         function as written and with the rewrites (the second includes the passes).
@@ -63,6 +64,7 @@ class Report:
     compile_before_seconds: float | None = None
     compile_after_seconds: float | None = None
     rewrite_seconds: float | None = None
+    code: hook.TraceCode | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "records", tuple(self.records))
@@ -81,6 +83,7 @@ class Report:
         out = dataclasses.asdict(self)
         out["records"] = [{**r.to_dict(), "ops": list(r.ops)} for r in self.records]
         out["within_limit"] = self.within_limit
+        out["code"] = None if self.code is None else self.code.value
         return out
 
     @classmethod
@@ -88,6 +91,8 @@ class Report:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in fields}
         kwargs["records"] = tuple(Record(**{**r, "ops": tuple(r["ops"])}) for r in data.get("records", ()))
+        if kwargs.get("code") is not None:
+            kwargs["code"] = hook.TraceCode(kwargs["code"])
         return cls(**kwargs)
 
     def __str__(self) -> str:
@@ -182,18 +187,18 @@ def explain(fn, *args, **kwargs) -> Report:
     # The function's own trace comes first; functions it calls may add more.
     failed = [t for t in traces if t.status == "failed"]
     if failed:
-        status, reason = "failed", failed[0].reason
+        status, reason, code = "failed", failed[0].reason, failed[0].code
     elif any(t.status == "rewritten" for t in traces):
-        status, reason = "rewritten", ""
+        status, reason, code = "rewritten", "", hook.TraceCode.REWRITTEN
     elif traces:
-        status, reason = traces[0].status, traces[0].reason
+        status, reason, code = traces[0].status, traces[0].reason, traces[0].code
     else:
-        status, reason = "skipped", "the hook saw no trace of the function"
+        status, reason, code = "skipped", "the hook saw no trace of the function", None
     limit = next((t.memory_limit_bytes for t in traces if t.memory_limit_bytes is not None), None)
     if limit is None:
         limit = hook.limit_bytes(config.current())
     return Report(_function_name(fn), limit, before, after, status, reason, records, middle - start, end - middle,
-                  sum(timed) if timed else None)
+                  sum(timed) if timed else None, code)
 
 
 def _layout_text(specs) -> str:

@@ -47,7 +47,7 @@ class TestWhichTracesAreRewritten:
             f = tf.function(lambda x: tf.sin(x), jit_compile=True)
             np.testing.assert_allclose(f(X), 10 * np.sin(X.numpy()), rtol=1e-6)
         (report,) = tf_memsafe.reports()
-        assert report.status == "rewritten" and report.xla_compiled
+        assert report.status == "rewritten" and report.xla_compiled and report.code == hook.TraceCode.REWRITTEN
         assert report.memory_limit_bytes == 10**9
         assert [r.pass_name for r in report.records] == ["scale_outputs"]
         assert isinstance(report.rewrite_seconds, float) and report.rewrite_seconds >= 0
@@ -60,7 +60,7 @@ class TestWhichTracesAreRewritten:
             f(X)
         assert counter.seen == []
         (report,) = tf_memsafe.reports()
-        assert report.status == "skipped" and "jit_compile" in report.reason
+        assert report.status == "skipped" and "jit_compile" in report.reason and report.code == hook.TraceCode.NOT_XLA
 
     def test_a_function_not_compiled_with_xla_is_said_once_an_enable(self):
         """Keras 3's ``jit_compile="auto"`` is off on CPUs: a user's ``fit`` would run as written, the
@@ -130,7 +130,8 @@ class TestWhichTracesAreRewritten:
         assert counter.seen.count("f") == 1
         first, second = [r for r in tf_memsafe.reports() if r.function_name == "f"]
         assert first.retraced and first.status == "skipped" and "created the function's variables" in first.reason
-        assert not second.retraced and second.status == "unchanged"
+        assert first.code == hook.TraceCode.RETRACED
+        assert not second.retraced and second.status == "unchanged" and second.code == hook.TraceCode.UNCHANGED
 
     def test_a_first_trace_that_creates_variables_runs_rewritten(self):
         """The trace TensorFlow runs is the rewritten one, called or asked for as a concrete function."""
@@ -236,6 +237,7 @@ class TestFailOpen:
         np.testing.assert_allclose(result, 2 * np.sin(X.numpy()), rtol=1e-6)
         (report,) = tf_memsafe.reports()
         assert report.status == "failed" and "deliberate failure" in report.reason
+        assert report.code == hook.TraceCode.PASS_FAILED
 
     def test_a_program_left_over_its_limit_by_a_failing_pass_is_said_to_be(self):
         """Nothing rewritten, nothing measured: the warning says what the memory model counts as traced

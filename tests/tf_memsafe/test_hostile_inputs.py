@@ -311,6 +311,7 @@ def test_an_op_xla_cannot_compile_is_named_and_the_function_left_as_traced(fn, o
     assert len(said) == 1 and f"`{op_type}`" in said[0] and hint in said[0] and "exactly as traced" in said[0], said
     [report] = hook.reports_since(mark)
     assert report.status == "skipped" and op_type in report.reason and report.pipeline is None
+    assert report.code == hook.TraceCode.NO_XLA_KERNEL and op_type in dict(report.ops), (report.code, report.ops)
     assert op_type in {op.type for op in traced.graph.get_operations()}
     with pytest.raises(tf.errors.InvalidArgumentError, match=op_type):
         traced(tf.zeros([2000, 3]))

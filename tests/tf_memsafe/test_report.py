@@ -74,10 +74,11 @@ class TestGoldenText:
         assert format_records([rec])[1] == "p     rewritten  2 KiB -> ?             -    r"
 
     def test_the_time_line_says_what_was_timed(self):
-        report = Report("f", 100, 10, 10, "unchanged", "", (), 0.5, 2.25, 1.5)
+        report = Report("f", 100, 10, 10, "unchanged", "", (), 0.5, 2.25, 1.5, hook.TraceCode.UNCHANGED)
         assert str(report).splitlines()[3] == ("  time       trace + compile 0.50 s as written, 2.25 s rewritten "
                                                "(the passes 1.50 s); nothing run")
         assert Report.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+        assert report.to_dict()["code"] == "unchanged"
 
     def test_lines_have_no_trailing_spaces(self):
         report = Report("f", 100, 10, 10, "unchanged", "", (Record("p", "skipped", ("a",), ""),))
@@ -105,7 +106,7 @@ class TestExplain:
         with tf_memsafe.options(memory_limit="1GB"), hook.use_pipeline(Pipeline([ScaleOutputsPass(2.0)])):
             report = tf_memsafe.explain(square_plus, tf.TensorSpec([256, 256]))
         assert report.function_name == "square_plus"
-        assert report.status == "rewritten" and report.reason == ""
+        assert report.status == "rewritten" and report.reason == "" and report.code == hook.TraceCode.REWRITTEN
         assert report.memory_limit_bytes == 10**9 and report.within_limit
         assert report.footprint_before_bytes == 2 * 256 * 256 * F32
         assert isinstance(report.footprint_after_bytes, int) and report.footprint_after_bytes > 0
@@ -123,7 +124,7 @@ class TestExplain:
                 hook.use_pipeline(Pipeline([ScaleOutputsPass(2.0)])):
             report = tf_memsafe.explain(f, tf.TensorSpec([256, 256]))
         assert f.experimental_get_tracing_count() == 0
-        assert report.status == "unchanged" and report.records == ()
+        assert report.status == "unchanged" and report.records == () and report.code == hook.TraceCode.UNCHANGED
         assert report.memory_limit_bytes == 1024 and not report.within_limit
         assert report.footprint_after_bytes == report.footprint_before_bytes
 
