@@ -3,10 +3,15 @@
 import csv
 import json
 
+import pytest
+
 from experiments import bench_rewrites
 
 
+@pytest.mark.heavy
 def test_quick_run_writes_csv_json_and_plot(tmp_path):
+    """``heavy`` (about a minute, left out of the default run).  Each rewrite's firing, exactness and
+    figure no larger than as written are checked by its own tests under tests/grappler_ext/."""
     code = bench_rewrites.main(["--quick", "--out", str(tmp_path), "--repeats", "1", "--run-limit", "200MB",
                                 "--workloads", "knn_d64", "sgpr_naive_kernel", "chain_fits", "sum_fits"])
     assert code == 0

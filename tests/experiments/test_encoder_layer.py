@@ -5,10 +5,15 @@ step: ``tests/integration/test_encoder_layer.py``.)"""
 
 import json
 
+import pytest
+
 from experiments import encoder_layer, report
 
 
+@pytest.mark.heavy
 def test_quick_run_fits_the_fit_within_its_limit(tmp_path):
+    """``heavy`` (40-60 s, left out of the default run).  The layer's ``fit`` within a sixteenth of its
+    step, losses equal, nothing said, is checked by tests/integration/test_encoder_layer.py."""
     assert encoder_layer.main(["--quick", "--out", str(tmp_path), "--keras", "keras3", "--programs", "fit"]) == 0
     data = json.loads((tmp_path / "encoder_layer.json").read_text())
     (row,) = data["rows"]

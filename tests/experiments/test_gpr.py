@@ -3,10 +3,16 @@ right-hand sides within a limit 8x below their naive figures, equal to the unspl
 
 import json
 
+import pytest
+
 from experiments import gpr
 
 
+@pytest.mark.heavy
 def test_quick_run_splits_predictions_and_solves_within_an_eighth(tmp_path):
+    """``heavy`` (30-40 s, left out of the default run).  GPR's predictions over a large test set and
+    solves split within a limit, equal to the unsplit programs, are checked by
+    tests/integration/test_sgpr.py and tests/grappler_ext/test_blocked_linalg.py."""
     assert gpr.main(["--quick", "--out", str(tmp_path), "--workloads", "predict", "solve"]) == 0
     data = json.loads((tmp_path / "gpr.json").read_text())
     rows = {r["workload"]: r for r in data["rows"]}

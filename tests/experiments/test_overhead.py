@@ -4,13 +4,18 @@ import csv
 import dataclasses
 import json
 
+import pytest
 import tensorflow as tf
 
 from experiments import overhead
 from grappler_ext.splitter import LoopPlan, RootSplit
 
 
+@pytest.mark.heavy
 def test_quick_run_writes_csv_json_and_plot(tmp_path):
+    """``heavy`` (40-60 s, left out of the default run).  kNN's and kernel regression's loops within a
+    tenth of their figures, exact, gradients rebuilt: the splitter's tests; the script's rows, its
+    hand-written loops and its plot run by default in test_modes_option_selects_forward_or_training_rows."""
     code = overhead.main(["--quick", "--out", str(tmp_path), "--repeats", "1",
                           "--workloads", "knn", "kernel_matvec"])
     assert code == 0

@@ -3,10 +3,16 @@ Keras 3's ``fit`` (its ``Dropout`` layer alone is checked in tests/grappler_ext/
 
 import json
 
+import pytest
+
 from experiments import random_key
 
 
+@pytest.mark.heavy
 def test_quick_run_rewrites_the_keys_and_keeps_every_value(tmp_path):
+    """``heavy`` (about a minute, left out of the default run).  The keys rewritten with every value
+    kept: tests/grappler_ext/test_random_key.py (the draw and Keras' ``Dropout``) and
+    tests/tf_memsafe/test_keyed_draws.py (a dropout model trained as without)."""
     cases = ["uniform", "keras3_fit"]
     random_key.main(["--quick", "--repeats", "1", "--cases", *cases, "--out", str(tmp_path)])
     with open(tmp_path / "random_key.json", encoding="utf-8") as f:

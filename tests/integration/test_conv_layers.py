@@ -3,8 +3,10 @@
 ``tf.data`` pipeline, at batch 128 on 28 x 28 images: about 115 MB as written, mostly the first
 convolution's activations and their gradients.  Split along the batch (a convolution and a pool
 take a slice of the images with the filter whole), the step fits an eighth of that by XLA's figure,
-with the losses of the unsplit fit, under both Keras versions; its loop, which computes its gradients
-as it goes, is grown from the memory model's chunk into the room XLA's figure leaves.
+with the losses of the unsplit fit, under both Keras versions (tf_keras' ``heavy``: its ``Conv2D``
+training step runs by default in the splitter's test_convolutions, split along the channels); its
+loop, which computes its gradients as it goes, is grown from the memory model's chunk into the room
+XLA's figure leaves.
 
 With batch normalisation after each convolution (statistics over the batch) the batch cannot be
 split; the splitter says so in one warning rather than leaving the step over its limit silently.
@@ -17,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from grappler_ext.splitter.outcome import Code, LoopPlan
-from tests.integration.keras_fit import fit_under, keras_of
+from tests.integration.keras_fit import KERAS3_TF_KERAS_HEAVY, fit_under, keras_of
 from tf_memsafe import xla_flags
 
 pytestmark = pytest.mark.slow
@@ -44,7 +46,7 @@ def _fit(keras, limit, batch_norm=False):
         return losses, records, said, max(total for _, total in xla_flags.memory_reports(folder))
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_a_convnet_trains_along_its_batch_within_the_limit(version):
     keras = keras_of(version)
     want, _, _, naive = _fit(keras, None)

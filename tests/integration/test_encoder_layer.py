@@ -19,6 +19,9 @@ What is checked, at L = 512, D = 64 (naive: 19 to 54 MB):
 - a model of that layer and a per-position classifier trained with ``fit(jit_compile=True)`` (Adam,
   accuracy) on ``.batch(4)`` (the batch ``None`` in the step), at L = 1024 within a sixteenth of its
   step as written, and in mixed precision at L = 512 within 8 MB: nothing said, losses equal.
+  Under tf_keras, the dropout step and the two fits are ``heavy`` (``keras_fit.KERAS3_TF_KERAS_HEAVY``):
+  its layer, its step's gradients and its ``fit`` on ``tf.data`` run by default here (the forward, the
+  step) and in test_dynamic_batches, its stateful dropout in the splitter's padded-batch tests.
   (``python -m experiments.encoder_layer`` measures the layer, a stack of two and the fit at L = 1024
   and 2048 within a sixteenth: at L = 512 the keys, values, input and output read whole by every
   slice are already more than that.)
@@ -33,7 +36,7 @@ import tensorflow as tf
 import tf_memsafe
 from experiments.encoder_layer import BATCH, D_MODEL, encoder_layer
 from grappler_ext.splitter.outcome import Code, LoopPlan
-from tests.integration.keras_fit import fit_under, keras_of
+from tests.integration.keras_fit import KERAS3_TF_KERAS_HEAVY, fit_under, keras_of
 from tests.xla_run import run_and_measure
 from tf_memsafe import hook, xla_flags
 
@@ -140,7 +143,7 @@ def test_a_training_step_fits_an_eighth_of_its_footprint(version):
     assert after <= naive // 8, (after, naive)
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_a_step_with_dropout_fits_the_limit_of_the_step_without(version):
     """Dropout 0.1 on the attention's probabilities and the feed-forward block's output (Keras 3 keys
     a stateless draw from its seed generator, tf_keras draws statefully): with ``redraw_random`` each
@@ -187,7 +190,7 @@ def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = Fal
         return (*fitted, max(total for _, total in xla_flags.memory_reports(folder)))
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_fit_trains_an_attention_model_within_a_sixteenth_of_its_footprint(version):
     """At L = 1024 the training step is about 210 MB as written; under a sixteenth of that it is split
     along the sequence, within the limit by XLA's figure (nothing said), losses equal to the unsplit
@@ -204,7 +207,7 @@ def test_fit_trains_an_attention_model_within_a_sixteenth_of_its_footprint(versi
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_fit_in_mixed_precision_within_the_limit(version):
     """Keras' ``mixed_float16`` policy (float16 activations, float32 weights and logits, the optimizer a
     ``LossScaleOptimizer`` whose dynamic scale is a variable updated under a ``tf.cond``): the step,

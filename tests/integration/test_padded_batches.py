@@ -14,6 +14,10 @@ Both Keras versions:
 - ``fit(jit_compile=True)`` of an embedding, that attention and a pooled classifier on padded
   batches of 3 sequences of 128 to 512 tokens (Adam): losses equal to the unsplit fit's, every
   program XLA compiles for the step within 6 MB (about 41 MB as written), and nothing said.
+
+Under tf_keras the fit, the encoder layer's step and the wide heads' step are ``heavy``
+(``keras_fit.KERAS3_TF_KERAS_HEAVY``): its attention on padded batches runs by default here, its
+``fit`` on batches of run-time size in test_dynamic_batches, its encoder step in test_encoder_layer.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import tensorflow as tf
 import tf_memsafe
 from experiments.padded import attention_classifier
 from grappler_ext.splitter.outcome import Code
-from tests.integration.keras_fit import fit_under, keras_of
+from tests.integration.keras_fit import KERAS3_TF_KERAS_HEAVY, fit_under, keras_of
 from tf_memsafe import hook, xla_flags
 
 pytestmark = pytest.mark.slow
@@ -88,7 +92,7 @@ def _fit(keras, limit):
         return losses, records, said, max(total for _, total in xla_flags.memory_reports(folder))
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_fit_on_padded_batches_is_split_within_the_limit(version):
     keras = keras_of(version)
     want, _, _, naive = _fit(keras, None)
@@ -100,7 +104,7 @@ def test_fit_on_padded_batches_is_split_within_the_limit(version):
     assert after <= 6 * 10**6 < naive // 5, (after, naive)
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_an_encoder_layer_on_padded_batches_is_split_along_its_sequence_within_an_eighth(version):
     """test_encoder_layer's layer (attention, a ``Dense`` pair on the 3-D activations, two layer norms)
     as a training step traced with ``input_signature=[TensorSpec([None, None, 64])]``: its ``Dense``
@@ -140,7 +144,7 @@ def test_an_encoder_layer_on_padded_batches_is_split_along_its_sequence_within_a
                                        err_msg=str(shape))
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_attention_with_heads_as_wide_as_the_layer_is_split_along_the_batch(version):
     """A ``MultiHeadAttention`` of 8 heads of ``key_dim`` the layer's width (as Keras' seq2seq
     translation example writes it: its projections 8x the input), trained on padded batches (SGD,
