@@ -84,6 +84,7 @@ class TestWhichTracesAreRewritten:
             # ... and its report does not ask for rewrite_non_jit, which would not rewrite the step
             outer = [r for r in tf_memsafe.reports() if not r.xla_compiled][-1]
             assert outer.reason.endswith("the XLA-compiled functions it calls are rewritten on their own"), outer
+            assert outer.code == hook.TraceCode.CALLS_XLA
             (first,) = said(tf.function(lambda x: tf.cos(x)), X)
             assert "`<lambda>` is not compiled with XLA" in first and "jit_compile=True" in first
             assert "rewrite_non_jit=True" in first
@@ -238,6 +239,29 @@ class TestFailOpen:
         (report,) = tf_memsafe.reports()
         assert report.status == "failed" and "deliberate failure" in report.reason
         assert report.code == hook.TraceCode.PASS_FAILED
+
+    @pytest.mark.parametrize("failure", ["unmatched", "raised"])
+    def test_dtensor_inputs_not_matched_leave_the_function_as_traced_with_its_code(self, monkeypatch, failure):
+        """Where the DTensor inputs of a trace cannot be matched to its graph's inputs (their mesh's
+        axes unknown), the function is left as traced: one warning, the code ``dtensor_unmatched``."""
+        from tf_memsafe import dtensor_inputs
+
+        def unmatched(graph):
+            if failure == "raised":
+                raise ValueError("a layout this test made up")
+            return None
+
+        monkeypatch.setattr(dtensor_inputs, "sharded_inputs", unmatched)
+        tf_memsafe.enable("1GB")
+        with hook.use_pipeline(Pipeline([CountingPass()])), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            traced = tf.function(lambda x: tf.sin(x) * 2.0, jit_compile=True).get_concrete_function(X)
+        said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
+        (report,) = [r for r in tf_memsafe.reports() if r.xla_compiled]
+        assert report.status == "skipped" and report.code == hook.TraceCode.DTENSOR_UNMATCHED, report
+        assert len(said) == 1 and "could not be matched" in said[0] and "exactly as traced" in said[0], said
+        assert ("a layout this test made up" in report.reason) == (failure == "raised")
+        assert report.pipeline is None and "Mul" in {op.type for op in traced.graph.get_operations()}
 
     def test_a_program_left_over_its_limit_by_a_failing_pass_is_said_to_be(self):
         """Nothing rewritten, nothing measured: the warning says what the memory model counts as traced
