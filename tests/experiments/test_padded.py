@@ -13,7 +13,7 @@ def test_quick_run_is_split_within_the_limit_with_the_naive_losses(tmp_path):
     The same model's ``fit`` on padded batches, split within its limit to the unsplit fit's losses, is
     checked by tests/integration/test_padded_batches.py; the summary's table from fabricated rows by
     tests/experiments/test_report.py; this run is measured by ``python -m experiments.padded``."""
-    # (Keras 3 alone: tests/integration/test_padded_batches.py fits the model under both versions)
+    # (Keras 3 alone: tests/integration/test_padded_batches.py fits the model under both versions, tf_keras' heavy)
     padded.main(["--quick", "--keras", "keras3", "--out", str(tmp_path)])
     with open(tmp_path / "padded.json", encoding="utf-8") as f:
         results = json.load(f)
