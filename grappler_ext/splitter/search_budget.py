@@ -17,6 +17,14 @@ built again: it is started only where the budget leaves time for both, at the la
 (:meth:`SearchBudget.affords_another_plan`).  A Keras ViT's step on batches of run-time size took
 about 30 s a plan: its first call spent 55 s on a plan along other sizes that was not kept, and the
 first built again.
+
+The clock makes the search depend on the machine and on what else it runs: the same program traced
+again (``tf_memsafe.memory_footprint`` traces a function afresh; Keras traces a step again) could be
+planned another way, so that the program measured or explained is not the one that runs.  So each
+answer the clock gave is logged (:attr:`SearchBudget.decisions`), and a run of a program traced alike
+before (:func:`grappler_ext.program_digest.graph_fingerprint`, with the same options) is given those
+answers again in order (:meth:`SearchBudget.recall`): it takes the same path, to the same plan, its figures
+remembered.  Past the answers recorded (a path that differs after all), the clock answers again.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from collections.abc import Callable, Iterator
 
 from grappler_ext.splitter.tuning import Tuning
 
-__all__ = ["SearchBudget"]
+__all__ = ["Decision", "SearchBudget"]
+
+Decision = tuple[bool, str | None]    # the clock's answer, and why it stopped the search (said once)
 
 
 class SearchBudget:
@@ -38,9 +48,16 @@ class SearchBudget:
         self.tuning, self.on_stop = tuning, on_stop
         self.started, self.longest_compile = time.perf_counter(), 0.0
         self.stopped = False
+        self.decisions: list[Decision] = []        # every answer of the clock's (or recorded), in order
+        self._recorded: list[Decision] = []        # a search of the program before: its answers, given again
         self.last_plan_s = 0.0                     # how long the last plan took to build
         self.log: list[bool] = []                  # the answers while the current plan was built
         self._replaying: list[bool] | None = None
+
+    def recall(self, recorded: tuple[Decision, ...] | None) -> None:
+        """A search starts: the answers a search of the same program gave before (``None``: none), given
+        again in order before the clock is asked."""
+        self._recorded = list(recorded or ())
 
     def compiled(self, seconds: float) -> None:
         """A whole program's figure took ``seconds`` to measure."""
@@ -60,15 +77,16 @@ class SearchBudget:
         the first time it does not, ``on_stop`` gets why, and the search stops."""
         if not self.allows():
             return False
+        return self._decided(self._time_for_another_plan)
+
+    def _time_for_another_plan(self) -> Decision:
         elapsed, budget = time.perf_counter() - self.started, self._budget()
         if elapsed + 2 * self.last_plan_s <= budget:
-            return True
-        self.stopped = True
-        self.on_stop(f"searched for a plan for {elapsed:.0f} s of its budget of {budget:.0f} s: planning again "
-                     f"another way would take about {2 * self.last_plan_s:.0f} s more (a plan took "
-                     f"{self.last_plan_s:.0f} s, and the first is built again where the other is not smaller), so "
-                     "the plan built stands, searched no further")
-        return False
+            return True, None
+        return False, (f"searched for a plan for {elapsed:.0f} s of its budget of {budget:.0f} s: planning again "
+                       f"another way would take about {2 * self.last_plan_s:.0f} s more (a plan took "
+                       f"{self.last_plan_s:.0f} s, and the first is built again where the other is not smaller), "
+                       "so the plan built stands, searched no further")
 
     def _budget(self) -> float:
         return max(self.tuning.search_floor_s, self.tuning.search_budget * self.longest_compile)
@@ -76,16 +94,26 @@ class SearchBudget:
     def _within(self) -> bool:
         if self.stopped:
             return False
+        return self._decided(self._time_left)
+
+    def _time_left(self) -> Decision:
         t, elapsed = self.tuning, time.perf_counter() - self.started
         budget = self._budget()
         if elapsed <= budget:
-            return True
-        self.stopped = True
-        self.on_stop(f"searched for a plan for {elapsed:.0f} s, over its budget of {budget:.0f} s "
-                     f"({t.search_budget:g} x the longest compile of the program asked of XLA, "
-                     f"{self.longest_compile:.1f} s, and at least {t.search_floor_s:g} s): the plan built so "
-                     "far stands, searched no further (no plan again, no gradient loop grown)")
-        return False
+            return True, None
+        return False, (f"searched for a plan for {elapsed:.0f} s, over its budget of {budget:.0f} s "
+                       f"({t.search_budget:g} x the longest compile of the program asked of XLA, "
+                       f"{self.longest_compile:.1f} s, and at least {t.search_floor_s:g} s): the plan built so "
+                       "far stands, searched no further (no plan again, no gradient loop grown)")
+
+    def _decided(self, clock: Callable[[], Decision]) -> bool:
+        """The recorded run's next answer, else the ``clock``'s; logged; a "no" stops the search, said."""
+        answer, why = self._recorded.pop(0) if self._recorded else clock()
+        self.decisions.append((answer, why))
+        if not answer:
+            self.stopped = True
+            self.on_stop(why or "the search stopped")
+        return answer
 
     @contextlib.contextmanager
     def replay(self, answers: list[bool] | None) -> Iterator[list[bool]]:

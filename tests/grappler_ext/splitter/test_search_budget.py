@@ -48,3 +48,29 @@ def test_the_budget_is_its_floor_or_a_multiple_of_the_longest_compile(clock):
     assert budget.allows()
     clock.now = 21.0
     assert not budget.allows() and not budget.allows() and len(said) == 1
+
+
+def test_a_search_recalled_gives_its_answers_again_then_asks_the_clock(clock):
+    """A search of the program before said yes, then stopped: recalled, the same answers in order and the
+    same reason said, whatever the clock says now (within the budget); each logged.  A search that
+    recorded fewer answers than this one asks for: the clock answers the rest."""
+    first_said, again_said = [], []
+    first = SearchBudget(Tuning(search_floor_s=10.0), first_said.append)
+    first.recall(None)
+    assert first.allows()
+    clock.now = 11.0
+    assert not first.allows() and len(first_said) == 1
+    assert [answer for answer, _ in first.decisions] == [True, False]
+
+    clock.now = 0.0
+    again = SearchBudget(Tuning(search_floor_s=10.0), again_said.append)
+    again.recall(tuple(first.decisions))
+    assert again.allows() and not again.allows() and not again.allows()
+    assert again_said == first_said and again.decisions == first.decisions and again.stopped
+
+    clock.now = 0.0
+    short = SearchBudget(Tuning(search_floor_s=10.0), again_said.append)
+    short.recall(((True, None),))
+    assert short.allows() and short.affords_another_plan()   # (the clock's: within, and time for a plan)
+    clock.now = 11.0
+    assert not short.allows() and [answer for answer, _ in short.decisions] == [True, True, True, False]

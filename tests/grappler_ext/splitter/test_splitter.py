@@ -5,6 +5,7 @@ into slices of at most a few hundred rows.  Every footprint below is XLA's own "
 of the compiled program (forward and backward separately when the tape is outside).
 """
 
+import itertools
 import warnings
 
 import numpy as np
@@ -16,7 +17,17 @@ from grappler_ext import memory_model, shapes
 from grappler_ext.graph_query import ancestors, live_ops
 from grappler_ext.pipeline import Pipeline, default_pipeline
 from grappler_ext.printer import format_graph
-from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, Tuning, analysis, chunk_plan, mechanism, policy
+from grappler_ext.splitter import (
+    DEFAULT_TUNING,
+    Code,
+    Splitter,
+    Tuning,
+    analysis,
+    chunk_plan,
+    mechanism,
+    policy,
+    search_budget,
+)
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from tests.fakes import FakeMeasurer, raises
 from tf_memsafe import hook
@@ -696,6 +707,32 @@ class TestProgramsCheckedWithXla:
         (over,) = [r.reason for r in records if r.code == Code.STILL_OVER]
         assert over.endswith("the search for another plan stopped (its time spent)"), over
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+
+    def test_a_program_traced_again_is_planned_as_it_was_whatever_the_clock_says(self, monkeypatch):
+        """Over by XLA's figure as split (faked: 2x the limit), the first trace's search plans again
+        against lower limits.  Traced again (as ``memory_footprint`` and Keras do) with the clock past any
+        budget, the same program is given the first search's decisions: the same records, the same loops;
+        another program (other sizes) traced then is stopped by the clock, said."""
+        splitter = Splitter(as_written_and_split(3 * LIMIT, 2 * LIMIT))
+
+        def trace(*specs):
+            hook.clear_reports()
+            tf_memsafe.enable(LIMIT)
+            try:
+                with hook.use_pipeline(Pipeline([splitter])), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    tf.function(two_attentions, jit_compile=True).get_concrete_function(*specs)
+            finally:
+                tf_memsafe.disable()
+            return [(r.code, r.reason) for r in skips()], len(rewrites())
+
+        first, loops = trace(*TWO_SPECS)
+        assert Code.REPLANNED in [code for code, _ in first] and Code.SEARCH_STOPPED not in [c for c, _ in first]
+        ticks = itertools.count(step=10**4)                      # each look at the clock: hours later
+        monkeypatch.setattr(search_budget.time, "perf_counter", lambda: float(next(ticks)))
+        assert trace(*TWO_SPECS) == (first, loops)
+        other, _ = trace(*(tf.TensorSpec([n - 100, 64]) for n in (1300,) * 3 + (1000,) * 3))
+        assert Code.SEARCH_STOPPED in [code for code, _ in other], other
 
     def test_a_plan_no_smaller_than_the_program_as_written_is_undone_and_said(self):
         """Over the limit as split, and not a tenth smaller by XLA's figure than as written (faked: 2x the
