@@ -1,21 +1,18 @@
 """The splitter pass: for each large tensor, the best region around it, planned, built and checked.
 
-:class:`Splitter` holds what it was built with (a measurer, a tuning) and what its runs' searches
-decided, by the program and options they ran on (:mod:`.search_budget`: a program traced again is
-planned as it was), and can be shared by every thread that traces; each :meth:`Splitter.run` makes a
-:class:`_Run` that holds the state of that one run (the memory model's figures, the loops built so
-far, the room given to starved gradient loops) and is dropped after it.  The stages it calls:
-:mod:`.search` (for each large tensor, the regions around it ranked and the best one built:
-:mod:`.analysis` grows them, no input sliced along an axis :mod:`.sharding` pins, :mod:`.policy`
-sizes and ranks them, :mod:`.mechanism` builds the loop), :mod:`.measure` (XLA's figures, by the
-injected measurer) to check the program.
+:class:`Splitter` holds what it was built with (a measurer, a tuning) and its searches' decisions
+(:class:`.search_budget.SearchMemo`), and can be shared by every thread that traces; each
+:meth:`Splitter.run` makes a :class:`_Run` that holds the state of that one run (the memory model's
+figures, the loops built so far, the room given to starved gradient loops) and is dropped after it.
+The stages it calls: :mod:`.search` (for each large tensor, the regions around it ranked and the
+best one built: :mod:`.analysis` grows them, no input sliced along an axis :mod:`.sharding` pins,
+:mod:`.policy` sizes and ranks them, :mod:`.mechanism` builds the loop), :mod:`.measure` (XLA's
+figures, by the injected measurer) to check the program.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
 import time
 
 from grappler_ext import gradients, graph_edit, loop_convolutions, memory_model, op_types, shapes
@@ -23,10 +20,9 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure, program_figure_later
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.program_digest import graph_fingerprint
 from grappler_ext.splitter import analysis, mechanism, nominal, outcome, policy, rules, search, whole_at_run
 from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize, Redrawable
-from grappler_ext.splitter.search_budget import Decision, SearchBudget
+from grappler_ext.splitter.search_budget import SearchBudget, SearchMemo
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Splitter"]
@@ -52,34 +48,20 @@ class Splitter(GraphPass):
         if not isinstance(tuning, Tuning):
             raise TypeError(f"tuning must be a splitter Tuning, got {type(tuning).__name__}")
         self.measurer, self.tuning = measurer, tuning
-        self._searched: collections.OrderedDict[str, tuple[Decision, ...]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    SEARCHES_KEPT = 256      # the programs whose search decisions are remembered (the latest)
+        self.memo = SearchMemo()      # what its runs' searches decided, by program and options
 
     def run(self, graph, options: PassOptions) -> PassResult:
         with loop_convolutions.for_xla(options.xla_compiled):      # (its loops' convolutions' gradients)
             run = _Run(self, graph, options)
             result = run.run()
-        with self._lock:
-            for key, decisions in run.searches():
-                self._searched[key] = decisions
-                self._searched.move_to_end(key)
-            while len(self._searched) > self.SEARCHES_KEPT:
-                self._searched.popitem(last=False)
+        run.budget.remember()
         return result
-
-    def recorded(self, key: str) -> tuple[Decision, ...] | None:
-        """What the search decided the last time it ran on the program and options of ``key``."""
-        with self._lock:
-            return self._searched.get(key)
 
 
 class _Run:
     """One run of the splitter on one graph: everything it learns and builds on the way."""
 
     def __init__(self, splitter: Splitter, graph, options: PassOptions):
-        self.splitter = splitter
         self.name = splitter.name
         self.tuning = splitter.tuning
         self.graph = graph
@@ -112,21 +94,8 @@ class _Run:
         # XLA's figures by the loops built, the journal's length and the nominal sizes (a plan built again:
         # the same program, however its ops are ordered; undone: another length); the plan being made
         self.figures, self.planning = {}, PassResult(self.name)
-        self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED))
-        self.searched: list[tuple[str, int]] = []        # each search's program: its key, its first decision
-
-    def searches(self) -> list[tuple[str, tuple[Decision, ...]]]:
-        """Each search of the run (a plan at nominal sizes, and at the shapes as traced where that split
-        nothing): the key of the program and options it searched, and what its budget decided."""
-        ends = [start for _, start in self.searched[1:]] + [len(self.budget.decisions)]
-        return [(key, tuple(self.budget.decisions[start:end])) for (key, start), end in zip(self.searched, ends)]
-
-    def _recall(self) -> None:
-        """A search starts, the graph as traced: where a program traced alike was searched before with
-        these options, its budget's decisions are given again (:mod:`.search_budget`)."""
-        key = graph_fingerprint(self.graph) + repr(self.options)
-        self.searched.append((key, len(self.budget.decisions)))
-        self.budget.recall(self.splitter.recorded(key))
+        self.budget = SearchBudget(self.tuning, lambda why: self.result.skip([], why, code=Code.SEARCH_STOPPED),
+                                   splitter.memo)
 
     def figure(self) -> Figure:
         if self.replayed:
@@ -198,7 +167,7 @@ class _Run:
             threshold = self.tuning.whole_at_run * self.limit
             with whole_at_run.active(peak, at.table, threshold):
                 result = self._run(est, info)
-                dispatched = self._dispatch(result) if result.changed else 0
+                dispatched = whole_at_run.dispatch(self.graph, self.name, result) if result.changed else 0
         if not result.changed:
             if journal is not None:
                 journal.undo(to=mark)
@@ -228,20 +197,6 @@ class _Run:
             said = []
         self.pending = said
         return result
-
-    def _dispatch(self, result: PassResult) -> int:
-        """Each loop that may give way to its region as written at run time (:mod:`.whole_at_run`) does;
-        how many.  Where that fails, the loops stay as built (each in one step where it fits), said."""
-        with graph_edit.some_journal() as journal:
-            mark = len(journal)
-            try:
-                return whole_at_run.install(self.graph, self.name)
-            except (ValueError, TypeError, KeyError, LookupError, NotImplementedError) as e:
-                journal.undo(to=mark)
-                result.skip([], f"the loops cannot give way to the program as written at run time "
-                                f"({type(e).__name__}: {str(e).splitlines()[0]}): each runs in one step where it "
-                                "fits", code=Code.DYNAMIC_SHAPES)
-                return 0
 
     def _run(self, est, info) -> PassResult:
         result, limit, t = self.result, self.limit, self.tuning
@@ -328,7 +283,7 @@ class _Run:
                 self.entry_over = (figure.bytes, "by XLA's figure", f"the memory model has no rule for it "
                                    f"({est.reason})")
                 self.written_figure = figure.bytes
-        self._recall()
+        self.budget.recall(self.graph, self.options)      # (a program traced alike before: as it was searched)
         # Run outside a pipeline, the pass keeps a journal of its own, to plan again.
         with graph_edit.some_journal():
             # A weight's update as values (a region may compute it slice by slice): kept if a loop is built.

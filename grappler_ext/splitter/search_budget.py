@@ -29,13 +29,16 @@ remembered.  Past the answers recorded (a path that differs after all), the cloc
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
+from grappler_ext.program_digest import graph_fingerprint
 from grappler_ext.splitter.tuning import Tuning
 
-__all__ = ["Decision", "SearchBudget"]
+__all__ = ["Decision", "SearchBudget", "SearchMemo"]
 
 Decision = tuple[bool, str | None]    # the clock's answer, and why it stopped the search (said once)
 
@@ -44,20 +47,37 @@ class SearchBudget:
     """One run's search budget: the time since it started, the longest compile of a whole program it
     measured, and the answers it gave while the plan being built was built."""
 
-    def __init__(self, tuning: Tuning, on_stop: Callable[[str], None]):
-        self.tuning, self.on_stop = tuning, on_stop
+    def __init__(self, tuning: Tuning, on_stop: Callable[[str], None], memo: SearchMemo | None = None):
+        self.tuning, self.on_stop, self.memo = tuning, on_stop, memo
         self.started, self.longest_compile = time.perf_counter(), 0.0
         self.stopped = False
         self.decisions: list[Decision] = []        # every answer of the clock's (or recorded), in order
         self._recorded: list[Decision] = []        # a search of the program before: its answers, given again
+        self._searches: list[tuple[str, int]] = []  # each search's program and options: its key, first decision
         self.last_plan_s = 0.0                     # how long the last plan took to build
         self.log: list[bool] = []                  # the answers while the current plan was built
         self._replaying: list[bool] | None = None
 
-    def recall(self, recorded: tuple[Decision, ...] | None) -> None:
-        """A search starts: the answers a search of the same program gave before (``None``: none), given
+    def recall(self, graph, options) -> None:
+        """A search of ``graph`` (as traced, before the search changes it) with ``options`` starts: the
+        answers a search of a program traced alike with those options gave before (in the memo), given
         again in order before the clock is asked."""
-        self._recorded = list(recorded or ())
+        if self.memo is None:
+            return
+        key = graph_fingerprint(graph) + repr(options)
+        self._searches.append((key, len(self.decisions)))
+        self._recorded = list(self.memo.recorded(key) or ())
+
+    def remember(self) -> None:
+        """The run is over: its searches' decisions go to the memo."""
+        if self.memo is not None:
+            self.memo.remember(self.searches())
+
+    def searches(self) -> list[tuple[str, tuple[Decision, ...]]]:
+        """Each search of the run (a plan at nominal sizes, then at the shapes as traced where that split
+        nothing): its key, and what the budget decided in it."""
+        ends = [start for _, start in self._searches[1:]] + [len(self.decisions)]
+        return [(key, tuple(self.decisions[start:end])) for (key, start), end in zip(self._searches, ends)]
 
     def compiled(self, seconds: float) -> None:
         """A whole program's figure took ``seconds`` to measure."""
@@ -126,3 +146,26 @@ class SearchBudget:
         finally:
             self.log, self._replaying = saved
             self.last_plan_s = time.perf_counter() - start
+
+
+class SearchMemo:
+    """What searches decided (:attr:`SearchBudget.decisions`), by the program and options they searched:
+    the latest :attr:`KEPT`.  Shared by the threads that trace."""
+
+    KEPT = 256
+
+    def __init__(self):
+        self._decided: collections.OrderedDict[str, tuple[Decision, ...]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def recorded(self, key: str) -> tuple[Decision, ...] | None:
+        with self._lock:
+            return self._decided.get(key)
+
+    def remember(self, searches: list[tuple[str, tuple[Decision, ...]]]) -> None:
+        with self._lock:
+            for key, decisions in searches:
+                self._decided[key] = decisions
+                self._decided.move_to_end(key)
+            while len(self._decided) > self.KEPT:
+                self._decided.popitem(last=False)

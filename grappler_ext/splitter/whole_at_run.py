@@ -63,8 +63,9 @@ from tensorflow.python.framework import ops
 
 from grappler_ext import gradients, graph_edit, graph_query, memory_model, shapes
 from grappler_ext.splitter import rules, scaling
+from grappler_ext.splitter.outcome import Code
 
-__all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch_for", "loop_values", "record",
+__all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch", "dispatch_for", "loop_values", "record",
            "install", "largest_size", "note", "max_pareto"]
 
 # More kept steps than this: their element-wise maximum instead (an upper bound of each).
@@ -302,6 +303,22 @@ def record(dispatch: Dispatch | None, roots, new, region_ops) -> None:
     dispatch.new = list(new)
     state.pending.append(dispatch)
     graph_edit.on_undo(lambda: state.pending.remove(dispatch) if dispatch in state.pending else None)
+
+
+def dispatch(graph, scope: str, result) -> int:
+    """:func:`install`, journaled: how many loops give way to their regions as written at run time.
+    Where that fails, the loops stay as built (each in one step where it fits), said in ``result``
+    (the pass's records)."""
+    with graph_edit.some_journal() as journal:
+        mark = len(journal)
+        try:
+            return install(graph, scope)
+        except (ValueError, TypeError, KeyError, LookupError, NotImplementedError) as e:
+            journal.undo(to=mark)
+            result.skip([], f"the loops cannot give way to the program as written at run time "
+                            f"({type(e).__name__}: {str(e).splitlines()[0]}): each runs in one step where it "
+                            "fits", code=Code.DYNAMIC_SHAPES)
+            return 0
 
 
 def install(graph, scope: str) -> int:

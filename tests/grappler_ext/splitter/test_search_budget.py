@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import tensorflow as tf
 
 from grappler_ext.splitter import search_budget
-from grappler_ext.splitter.search_budget import SearchBudget
+from grappler_ext.splitter.search_budget import SearchBudget, SearchMemo
 from grappler_ext.splitter.tuning import Tuning
 
 
@@ -51,26 +52,34 @@ def test_the_budget_is_its_floor_or_a_multiple_of_the_longest_compile(clock):
 
 
 def test_a_search_recalled_gives_its_answers_again_then_asks_the_clock(clock):
-    """A search of the program before said yes, then stopped: recalled, the same answers in order and the
-    same reason said, whatever the clock says now (within the budget); each logged.  A search that
-    recorded fewer answers than this one asks for: the clock answers the rest."""
-    first_said, again_said = [], []
-    first = SearchBudget(Tuning(search_floor_s=10.0), first_said.append)
-    first.recall(None)
-    assert first.allows()
-    clock.now = 11.0
-    assert not first.allows() and len(first_said) == 1
-    assert [answer for answer, _ in first.decisions] == [True, False]
+    """A search of a program said yes, then stopped: the same program searched again with the same
+    options is given the same answers in order and says the same reason, whatever the clock says now
+    (within the budget); each logged.  Another program, or other options: the clock answers.  A search
+    that recorded fewer answers than one asks for: the clock answers the rest."""
+    memo, said = SearchMemo(), []
+    program, other = tf.Graph(), tf.Graph()
+    with program.as_default():
+        tf.constant(1.0)
+    with other.as_default():
+        tf.constant(2.0)
 
-    clock.now = 0.0
-    again = SearchBudget(Tuning(search_floor_s=10.0), again_said.append)
-    again.recall(tuple(first.decisions))
-    assert again.allows() and not again.allows() and not again.allows()
-    assert again_said == first_said and again.decisions == first.decisions and again.stopped
+    def searched(graph, options, answers, now=0.0):
+        """A search of ``graph`` starting at ``now``: its answers to ``allows`` at 0 s, then at 11 s."""
+        clock.now = now
+        budget = SearchBudget(Tuning(search_floor_s=10.0), said.append, memo)
+        budget.recall(graph, options)
+        got = []
+        for at in answers:
+            clock.now = at
+            got.append(budget.allows())
+        budget.remember()
+        return got, budget
 
-    clock.now = 0.0
-    short = SearchBudget(Tuning(search_floor_s=10.0), again_said.append)
-    short.recall(((True, None),))
-    assert short.allows() and short.affords_another_plan()   # (the clock's: within, and time for a plan)
-    clock.now = 11.0
-    assert not short.allows() and [answer for answer, _ in short.decisions] == [True, True, True, False]
+    assert searched(program, "options", [0.0, 11.0])[0] == [True, False] and len(said) == 1
+    got, again = searched(program, "options", [0.0, 0.0, 0.0])
+    assert got == [True, False, False] and said[1] == said[0] and again.stopped
+    assert searched(other, "options", [0.0, 0.0])[0] == [True, True]
+    assert searched(program, "others", [0.0, 0.0])[0] == [True, True]
+    memo.remember([(key, ((True, None),)) for key, _ in again.searches()])       # (one answer recorded)
+    got, short = searched(program, "options", [11.0, 11.0])
+    assert got == [True, False] and [answer for answer, _ in short.decisions] == [True, False]
