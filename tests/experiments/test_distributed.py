@@ -5,11 +5,18 @@ of every layout pair, and the Transformer trained by two worker processes under
 import json
 
 import numpy as np
+import pytest
 
 from experiments import distributed, report
 
 
+@pytest.mark.heavy
 def test_quick_run_keeps_every_layout_pair_within_the_bound(tmp_path):
+    """``heavy`` (about two minutes, left out of the default run: ``python -m tests -m heavy`` runs it).
+    Every layout pair's relayout (values, each device's program at its target shard, the allocator
+    near the bound) is checked by tests/tf_memsafe/test_relayout.py, and a replica's step split within
+    its limit under a distribution strategy by tests/integration/test_distribute.py; the two worker
+    processes of ``MultiWorkerMirroredStrategy`` run only here."""
     assert distributed.main(["--quick", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "distributed.json", encoding="utf-8") as f:
         results = json.load(f)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from experiments import kernel_matvec
@@ -14,7 +15,11 @@ REQUIRED = {"method", "kernel", "n", "rows", "d", "data", "rows_per_s", "seconds
             "within_limit", "rel_err", "skipped"}
 
 
+@pytest.mark.heavy
 def test_quick_run_is_close_to_numpy_and_keops_can_be_left_out(tmp_path):
+    """``heavy`` (about 40 s; ``python -m tests -m heavy`` runs it): the hand-written loop and the
+    reference by test_hand_written_loop_and_reference_agree_on_a_small_case below; kernel sums and
+    their gradients split exactly by tests/grappler_ext/splitter/test_splitter.py (TestKernelMatvecGradients)."""
     # --methods leaves KeOps out: its rows record why, and nothing is compiled for it even where it is installed.
     assert kernel_matvec.main(["--quick", "--out", str(tmp_path),
                                "--methods", "naive", "tf_memsafe", "hand", "numpy"]) == 0

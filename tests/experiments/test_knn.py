@@ -30,7 +30,12 @@ def read_csv(path):
         return reader.fieldnames, list(reader)
 
 
+@pytest.mark.heavy
 def test_quick_run_is_exact_within_the_limit_and_records_a_missing_keops(tmp_path, no_pykeops):
+    """``heavy`` (about 50 s; ``python -m tests -m heavy`` runs it): the script's run path, its CSV and
+    a KeOps row left out with its reason by test_mnist_loader_and_run_on_mocked_files below; exact kNN
+    within the limit by tests/grappler_ext/test_blocked_top_k.py and test_pairwise_distance.py; the
+    reason recorded for a missing pykeops only here."""
     assert knn.main(["--quick", "--out", str(tmp_path)]) == 0
     fields, rows = read_csv(tmp_path / "knn.csv")
     assert fields == [f.name for f in dataclasses.fields(knn.Row)] and REQUIRED <= set(fields)

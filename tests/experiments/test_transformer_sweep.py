@@ -33,7 +33,11 @@ def quick_run(tmp_path_factory):
     return out, rows
 
 
+@pytest.mark.heavy
 def test_quick_run_writes_csv_json_and_plot(quick_run):
+    """``heavy`` with the next test (their quick sweep, about 75 s; ``python -m tests -m heavy`` runs
+    them): tests/integration/test_transformer.py splits the same model's forward and training step
+    within limits the naive ones exceed, with the naive values."""
     out, rows = quick_run
     assert list(rows[0]) == [f.name for f in dataclasses.fields(sweep.Row)]
     cases = {(r["mode"], r["variant"], int(r["length"])) for r in rows}
@@ -55,7 +59,9 @@ def test_quick_run_writes_csv_json_and_plot(quick_run):
     assert (out / "transformer_sweep_quick.png").stat().st_size > 10_000
 
 
+@pytest.mark.heavy
 def test_quick_run_fits_where_naive_does_not(quick_run):
+    """``heavy``: see the test above."""
     _, rows = quick_run
     by = {(r["mode"], r["variant"], r["length"]): r for r in rows}
     beyond = [r for r in rows if r["variant"] == "tf_memsafe" and r["ran"] == "True" and r["within_limit"] == "True"

@@ -64,7 +64,15 @@ def test_a_convnet_trains_along_its_batch_within_the_limit(version):
     assert grown and chunks[-1] > grown[0].plan.starved_chunks[0], [r.reason for r in records]
 
 
+@pytest.mark.heavy
 def test_batch_normalisation_over_the_limit_is_said_once():
+    """A convnet with batch normalisation fitted under an eighth of its step: smaller than as written,
+    and, where over the limit, said once, naming the convolution.
+
+    ``heavy`` (about 50 s; ``python -m tests -m heavy`` runs it): batch normalisation in a training
+    step split within its limit by tests/grappler_ext/splitter/test_convolutions.py (both Kerases); a
+    plan over its limit said once, naming what could not be split, by test_kernel_ridge.py and
+    tests/tf_memsafe/test_hostile_inputs.py."""
     keras = keras_of("keras3")
     _, _, _, naive = _fit(keras, None, batch_norm=True)
     limit = naive // 8

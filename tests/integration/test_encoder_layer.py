@@ -19,9 +19,11 @@ What is checked, at L = 512, D = 64 (naive: 19 to 54 MB):
 - a model of that layer and a per-position classifier trained with ``fit(jit_compile=True)`` (Adam,
   accuracy) on ``.batch(4)`` (the batch ``None`` in the step), at L = 1024 within a sixteenth of its
   step as written, and in mixed precision at L = 512 within 8 MB: nothing said, losses equal.
-  Under tf_keras, the dropout step and the two fits are ``heavy`` (``keras_fit.KERAS3_TF_KERAS_HEAVY``):
-  its layer, its step's gradients and its ``fit`` on ``tf.data`` run by default here (the forward, the
-  step) and in test_dynamic_batches, its stateful dropout in the splitter's padded-batch tests.
+  Under tf_keras, the stack of two, the training step, the dropout step and the two fits are ``heavy``
+  (``keras_fit.KERAS3_TF_KERAS_HEAVY``): its layer's forward runs by default here (at both lengths)
+  and in test_padded_batches (its attention at every shape), a tf_keras training step and ``fit`` on
+  ``tf.data`` in test_dynamic_batches, its stateful dropout in the splitter's padded-batch tests.
+  The fit at L = 1024 is ``heavy`` under Keras 3 too (see its docstring).
   (``python -m experiments.encoder_layer`` measures the layer, a stack of two and the fit at L = 1024
   and 2048 within a sixteenth: at L = 512 the keys, values, input and output read whole by every
   slice are already more than that.)
@@ -105,7 +107,7 @@ def test_the_forward_at_twice_the_length_within_a_sixteenth(version):
     assert after <= naive // 16, (after, naive)
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_a_stack_of_two_is_one_loop_per_layer(version):
     """The first layer's output is read by the second one's queries and keys: the loop along the
     first one's queries ends there, joined (it made three loops, the first layer's attention and its
@@ -133,7 +135,7 @@ def _step(layer):
     return step
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_a_training_step_fits_an_eighth_of_its_footprint(version):
     layer, x = _encoder(keras_of(version))
     step = _step(layer)
@@ -190,13 +192,20 @@ def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = Fal
         return (*fitted, max(total for _, total in xla_flags.memory_reports(folder)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_fit_trains_an_attention_model_within_a_sixteenth_of_its_footprint(version):
     """At L = 1024 the training step is about 210 MB as written; under a sixteenth of that it is split
     along the sequence, within the limit by XLA's figure (nothing said), losses equal to the unsplit
     fit's.  Keras 3's ``Dense`` kernels' gradients (sums over axes a ``BroadcastGradientArgs`` of the
     run-time batch gives, of unknown rank in the graph) left the step unsplit before the memory model
-    read their shapes through the symbol table."""
+    read their shapes through the symbol table.
+
+    ``heavy`` under both versions (about 50 s; ``python -m tests -m heavy`` runs it): Keras 3's fit
+    with ``jit_compile=True`` on batches of run-time size, split within its limit with the unsplit
+    fit's losses, is checked by the mixed-precision fit below, by
+    tests/integration/test_padded_batches.py's fit and by test_wide_layer.py's and
+    test_dynamic_batches.py's fits."""
     keras = keras_of(version)
     want, _, _, naive = _fit(keras, None, measured=True, length=2 * L)
     got, records, said, after = _fit(keras, naive // 16, measured=True, length=2 * L)

@@ -72,14 +72,15 @@ def test_loss_and_gradients_with_the_tape_inside(model):
     assert before > 10 * LIMIT and after <= LIMIT
 
 
-@pytest.mark.parametrize("xla_agrees", [True, False])
+@pytest.mark.parametrize("xla_agrees", [True, pytest.param(False, marks=pytest.mark.heavy)])
 def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
     """Matern32, M = 400 inducing points under 30 MB: the model counts so much of the rest of the
     step (the [400, 400] kernel's gradient) beside the gradient loop that it leaves it 50 rows a
     step against the forward's 263 (400 steps); XLA's figure for the program as split leaves room
     under the limit, so the gradient loop is planned again with that room, and checked again: kept
     within the limit, or (its figure faked over the limit) the first plan built again, its figure
-    known."""
+    known.  The second case is ``heavy`` (30 s; ``python -m tests -m heavy``): a growth that changes
+    no loop, not compiled again, is the next test's."""
     xla = XlaMeasurer()
     measured = iter([xla.program_bytes])                 # the first plan's figure is XLA's own
     measurer = xla if xla_agrees else FakeMeasurer(program=lambda graph: next(measured, lambda g: 10**9)(graph))
@@ -230,11 +231,13 @@ def compare_compiled(fn, limit, rtol):
     return after
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kernel", [gpflow.kernels.Matern32])
 def test_predictions_over_a_test_set_as_large_as_the_training_set(kernel):
     """predict_f (marginal), predict_y and predict_log_density over T = N = 20000 test points.
     (Matern32 only, for CI time: the squared exponential's predictions are split in the GPR and SVGP
-    tests below and in ``experiments/gpr.py``.)"""
+    tests below and in ``experiments/gpr.py``.)  ``heavy`` (about 35 s; ``python -m tests -m heavy``):
+    SGPR's predictions split are the full-covariance and test-points-density tests' below."""
     with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
         model = sgpr_model(kernel)
         X_test = np.random.default_rng(1).standard_normal((N, 3))

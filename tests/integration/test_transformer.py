@@ -129,8 +129,13 @@ def test_a_program_the_model_puts_within_the_limit_is_checked_with_xla_and_split
     assert naive_bytes > limit >= after, (naive_bytes, after)
 
 
+@pytest.mark.heavy
 def test_gradients_with_the_tape_outside_equal_naive(net, batch):
-    """A tape outside the jit forward: the split loops' recomputing gradients give the naive gradients."""
+    """A tape outside the jit forward: the split loops' recomputing gradients give the naive gradients.
+
+    ``heavy`` (about 30 s; ``python -m tests -m heavy``): a tape outside a split attention is
+    tests/grappler_ext/splitter/test_fused.py's (test_a_tape_outside_differentiates_the_gradients_the_loop_computed),
+    outside a split GP loss test_sgpr.py's (test_loss_with_the_tape_outside)."""
     (context, target_in), labels = batch
 
     def forward(c, t):

@@ -13,7 +13,9 @@ x and the target stay: 13 MiB.  The SGD limit, 17 MiB, is met only that way; eac
 Each case runs three steps as written and three rewritten, from the same start, in Keras 3 (what
 ``tf.keras`` is on TF 2.21) and tf_keras, and compares losses and every variable, slots included,
 at 1e-10; and checks XLA's figure for the rewritten step against the limit, and that the plan wrote
-the kernel's update in place.
+the kernel's update in place.  tf_keras' cases are ``heavy`` (about a minute in all; ``python -m
+tests -m heavy`` runs them): its optimizers' updates written in place are the splitter's
+test_variable_updates tests', and a tf_keras fit on ``tf.data`` test_dynamic_batches'.
 """
 
 import numpy as np
@@ -28,6 +30,7 @@ from tf_memsafe import hook
 N, D_IN, D_OUT = 256, 512, 2048
 STEPS = 3
 MIB = 2**20
+KERAS_HEAVY_TF_KERAS = [tf.keras, pytest.param(tf_keras, marks=pytest.mark.heavy)]
 
 
 def limit(keras, name) -> int:
@@ -69,7 +72,7 @@ def _plans(mark):
             if r.pass_name == "splitter" and r.action == "rewritten"]
 
 
-@pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("keras", KERAS_HEAVY_TF_KERAS, ids=["keras3", "tf_keras"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_step_split_along_the_kernel_columns_matches_and_fits(keras, name):
     with tf_memsafe.options(disabled_passes="splitter"):
@@ -118,7 +121,7 @@ def test_a_step_written_by_hand():
     assert any(p.written_into for p in _plans(mark))
 
 
-@pytest.mark.parametrize("keras", [tf.keras, tf_keras], ids=["keras3", "tf_keras"])
+@pytest.mark.parametrize("keras", KERAS_HEAVY_TF_KERAS, ids=["keras3", "tf_keras"])
 def test_keras_fit_on_batches_of_a_static_size(keras):
     """``model.fit`` on a ``tf.data`` pipeline with ``drop_remainder=True`` (a static batch): Keras'
     own train step, loss and Adam, split along the kernel's columns, the same losses and weights."""
