@@ -306,8 +306,14 @@ def test_svgp_predictions_over_a_large_test_set():
         compare_compiled(lambda: (model.predict_f(X_test), model.predict_y(X_test)), 3_500_000, 1e-10)
 
 
+@pytest.mark.heavy
 def test_adam_training_step_with_the_tape_inside():
-    """A jit-compiled step (tape inside, tf_keras Adam): the same losses and variables after 3 steps."""
+    """A jit-compiled step (tape inside, tf_keras Adam): the same losses and variables after 3 steps.
+
+    ``heavy`` (about 30 s; ``python -m tests -m heavy``): the same loss and gradients split with the
+    tape inside are test_loss_and_gradients_with_the_tape_inside's, GPflow's Scipy training step
+    test_scipy_training_as_gpflow_compiles_it's, and tf_keras' Adam updating the variables of a split
+    step tests/grappler_ext/test_variable_updates.py's."""
     def train():
         with gpflow.config.as_context(gpflow.config.Config(float=np.float64, jitter=1e-6)):
             model = sgpr_model(gpflow.kernels.Matern32)
