@@ -19,10 +19,10 @@ What is checked, at L = 512, D = 64 (naive: 19 to 54 MB):
 - a model of that layer and a per-position classifier trained with ``fit(jit_compile=True)`` (Adam,
   accuracy) on ``.batch(4)`` (the batch ``None`` in the step), at L = 1024 within a sixteenth of its
   step as written, and in mixed precision at L = 512 within 8 MB: nothing said, losses equal.
-  Under tf_keras, the stack of two, the training step, the dropout step and the two fits are ``heavy``
-  (``keras_fit.KERAS3_TF_KERAS_HEAVY``): its layer's forward runs by default here (at both lengths)
-  and in test_padded_batches (its attention at every shape), a tf_keras training step and ``fit`` on
-  ``tf.data`` in test_dynamic_batches, its stateful dropout in the splitter's padded-batch tests.
+  Under tf_keras, the stack of two, the dropout step and the two fits are ``heavy``
+  (``keras_fit.KERAS3_TF_KERAS_HEAVY``): its layer's forward (at both lengths) and training step run
+  by default here, its attention at every shape in test_padded_batches, its ``fit`` on ``tf.data`` in
+  test_dynamic_batches, its stateful dropout in the splitter's padded-batch tests.
   The fit at L = 1024 is ``heavy`` under Keras 3 too (see its docstring).
   (``python -m experiments.encoder_layer`` measures the layer, a stack of two and the fit at L = 1024
   and 2048 within a sixteenth: at L = 512 the keys, values, input and output read whole by every
@@ -135,7 +135,7 @@ def _step(layer):
     return step
 
 
-@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
 def test_a_training_step_fits_an_eighth_of_its_footprint(version):
     layer, x = _encoder(keras_of(version))
     step = _step(layer)
@@ -193,7 +193,7 @@ def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = Fal
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
+@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
 def test_fit_trains_an_attention_model_within_a_sixteenth_of_its_footprint(version):
     """At L = 1024 the training step is about 210 MB as written; under a sixteenth of that it is split
     along the sequence, within the limit by XLA's figure (nothing said), losses equal to the unsplit
