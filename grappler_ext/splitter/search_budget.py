@@ -64,7 +64,7 @@ class SearchBudget:
         again in order before the clock is asked."""
         if self.memo is None:
             return
-        key = graph_fingerprint(graph) + repr(options)
+        key = self.memo.key(graph, options)
         self._searches.append((key, len(self.decisions)))
         self._recorded = list(self.memo.recorded(key) or ())
 
@@ -157,6 +157,11 @@ class SearchMemo:
     def __init__(self):
         self._decided: collections.OrderedDict[str, tuple[Decision, ...]] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def key(graph, options) -> str:
+        """A search's program (``graph`` as traced: its digest, names aside, shapes included) and options."""
+        return graph_fingerprint(graph) + repr(options)
 
     def recorded(self, key: str) -> tuple[Decision, ...] | None:
         with self._lock:
