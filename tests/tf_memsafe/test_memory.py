@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -169,7 +168,7 @@ def _run(code: str, env_flags: str | None, *argv: str):
 
 
 _USER_DUMP = """
-    import json, os, sys, glob, tempfile
+    import json, os, sys, glob
     if sys.argv[1] == "with":
         import tf_memsafe
     import tensorflow as tf
@@ -186,7 +185,8 @@ _USER_DUMP = """
         print("MEASURED", tf_memsafe.memory_footprint(measured, tf.TensorSpec([64])))
         tf.function(lambda a: a * 2.0 + 1.0, jit_compile=True)(tf.ones([8]))
         print("SECOND", json.dumps(listing()))
-        print("PRIVATE", json.dumps(glob.glob(os.path.join(tempfile.gettempdir(), f"tf_memsafe_*_{os.getpid()}_*"))))
+        print("PRIVATE", json.dumps([p for root in tf_memsafe.xla_flags.dump_roots()
+                                     for p in glob.glob(os.path.join(root, f"tf_memsafe_*_{os.getpid()}_*"))]))
 """
 
 
@@ -222,10 +222,10 @@ def test_the_users_dump_flags_work_with_tf_memsafe_as_without_it(tmp_path):
 def test_a_measurement_leaves_no_dump_setting_behind():
     """XLA keeps the last value it read of a flag; after a measurement the dump flags are back to
     their defaults, so later compiles write nothing into a (deleted) private directory."""
-    private = os.path.join(tempfile.gettempdir(), f"tf_memsafe_xla_dump_{os.getpid()}_*")
+    private = [os.path.join(root, f"tf_memsafe_xla_dump_{os.getpid()}_*") for root in xla_flags.dump_roots()]
     assert tf_memsafe.memory_footprint(add_one, tf.TensorSpec([16])) == 2 * 16 * F32
     tf.function(lambda a: a * 5.0, jit_compile=True)(tf.ones([4]))
-    assert glob.glob(private) == []
+    assert [p for pattern in private for p in glob.glob(pattern)] == []
 
 
 class TestFastCodegen:

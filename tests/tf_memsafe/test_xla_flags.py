@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -166,6 +167,49 @@ def test_dump_all_compiles_reports_each_program_and_cleans_up(restore_env):
     assert len(reports) == 1 and reports[0][0].startswith("a_inference_") and reports[0][1] >= 2 * 256 * 4
     assert os.environ["XLA_FLAGS"] == " ".join(filter(None, [xla_flags.RESET_FLAG, xla_flags.DUMP_DEFAULTS, before]))
     assert not os.path.exists(folder)
+
+
+class TestDumpRoots:
+    """XLA:CPU dumps every kernel's IR and object file beside the report a measurement reads: the
+    private directories go to a RAM-backed directory where it has room, else to the temp dir."""
+
+    def test_a_measurement_dumps_into_the_ram_backed_directory_and_deletes_its_own(self, tmp_path, monkeypatch,
+                                                                                   restore_env):
+        import tensorflow as tf
+
+        ram = tmp_path / "ram"
+        ram.mkdir()
+        monkeypatch.setattr(xla_flags, "_RAM_ROOT", str(ram))
+        assert xla_flags.dump_roots()[0] == str(ram)
+        with xla_flags.dump_for_one_compile(fast_codegen=True) as folder:
+            assert os.path.dirname(folder) == str(ram)
+            tf.function(lambda a: a * 7.0 - 1.0, jit_compile=True).experimental_get_compiler_ir(
+                tf.TensorSpec([96]))(stage="optimized_hlo")
+            assert any(n.endswith("memory-usage-report.txt") for n in os.listdir(folder))
+        assert os.listdir(ram) == []
+
+    @pytest.mark.parametrize("room", ["missing", "full"])
+    def test_without_room_in_memory_the_temp_dir_is_used(self, room, tmp_path, monkeypatch):
+        ram = tmp_path / "ram"
+        if room == "full":
+            ram.mkdir()
+            monkeypatch.setattr(xla_flags, "_RAM_ROOT_MIN_FREE", 1 << 62)
+        monkeypatch.setattr(xla_flags, "_RAM_ROOT", str(ram))
+        assert xla_flags.dump_roots() == [tempfile.gettempdir()]
+
+    def test_stale_directories_are_removed_from_every_root(self, tmp_path, monkeypatch):
+        ram, temp = tmp_path / "ram", tmp_path / "temp"
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        for root in (ram, temp):
+            (root / f"tf_memsafe_xla_dump_{dead}_abc").mkdir(parents=True)
+        monkeypatch.setattr(xla_flags, "_RAM_ROOT", str(ram))
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
+        folder = xla_flags._dump_dir("xla")
+        try:
+            assert os.listdir(ram) == [os.path.basename(folder)] and os.listdir(temp) == []
+        finally:
+            os.rmdir(folder)
 
 
 def test_dump_all_compiles_uses_and_keeps_the_users_directory(tmp_path, restore_env):
