@@ -553,20 +553,22 @@ def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
     the loop's and twice it, or 2 and 4 where the loop's is 1: XLA drops a dimension of size 1 and lays
     out a slice of one row its own way (a Keras CNN's step along its batch, alone at 1, 2, 3 and 4
     examples: 66.7, 96.1, 93.3 and 120.5 MB; 29 MB "a row" from 1 to 2, 12 MB from 2 to 4).  The chunk
-    they give is kept where the loop alone at it takes at most the room (less
-    ``Tuning.calibration_margin``) more than at its own chunk, else halved towards the largest chunk
-    measured within the room (``tries`` times), which is kept if none larger is: XLA's figure is not
-    straight in the chunk (a Keras convnet's loop alone at 4, 6, 8, 12 and 16 rows: 4.8, 8.0, 8.5,
-    16.8 and 15.5 MB; a triplet loss' step over 4,096 embeddings at 2, 4, 47, 92 and 182 rows:
-    134.6, 134.8, 204.7, 207.1 and 212.7 MB, a step between 4 and 47, where 4 rows halve its 2,048
-    steps).  ``None`` where the figures do not say (a failed compile, a figure that does not grow)
-    or nothing larger fits."""
+    they give for ``Tuning.growth_aim`` of the room (less ``Tuning.calibration_margin``) is kept where
+    the loop alone at it takes at most the room more than at its own chunk; else the line through the
+    largest chunk measured within the room and the one over it gives the next (``tries`` times), and
+    the largest chunk measured within the room is kept if none larger is.  XLA's figure is nearly
+    straight in the chunk (a Transformer's attention loop alone: 67.9 kB a row from 32 to 64 rows,
+    68.5 kB from 64 to 256), not always (a Keras convnet's loop alone at 4, 6, 8, 12 and 16 rows: 4.8,
+    8.0, 8.5, 16.8 and 15.5 MB; a triplet loss' step over 4,096 embeddings at 2, 4, 47, 92 and 182
+    rows: 134.6, 134.8, 204.7, 207.1 and 212.7 MB, a step between 4 and 47).  ``None`` where the
+    figures do not say (a failed compile, a figure that does not grow) or nothing larger fits."""
     extra, chunk = room
     first = max(chunk, 2)
     second = min(2 * first, length // 2)
     if second <= first:
         return None
     allowed = extra * tuning.calibration_margin
+    aimed = allowed * tuning.growth_aim
     figures: dict[int, int] = {}
 
     def fits(c: int) -> bool:
@@ -580,16 +582,19 @@ def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
         if per_row <= 0:
             return None
         good = max((c for c in figures if fits(c)), default=chunk)
-        grown = min(chunk + int(allowed / per_row), length // 2)
         for _ in range(tries):
-            grown = at_least(grown, length, k)
+            # From the largest chunk within the room, along the line, to the aimed share of it.
+            grown = at_least(min(good + int((aimed - (figures[good] - figures[chunk])) / per_row), length // 2),
+                             length, k)
             if grown is None or grown <= good:
                 break
             if grown not in figures:
                 figures[grown] = loop_figure(grown)
             if fits(grown):
                 return grown
-            grown = good + (grown - good) // 2
+            per_row = (figures[grown] - figures[good]) / (grown - good)     # the line up to the one over
+            if per_row <= 0:
+                break
     except Exception:  # noqa: BLE001 - the largest chunk measured within the room, or the plan, stands
         pass
     return good if good > chunk else None

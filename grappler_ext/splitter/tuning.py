@@ -65,6 +65,10 @@ class Tuning:
         forward's (an attention's training step at L = 4000 under 1/10 of its footprint: 200 steps of 20
         rows took 1.5x the step as written, 24 of 169 rows 1.0x), or the share of the budget a slice may
         take (a Keras CNN's ``fit`` along its batch under 1/4 of its footprint: chunks of one example).
+      growth_aim: a starved gradient loop grown by XLA's figures for it alone (:func:`~.policy.fused_grown`)
+        aims at this share of its room: the figure is nearly straight in the chunk, not exactly (a
+        Transformer's attention loop alone: 67.9 kB a row from 32 to 64 rows, 68.5 kB beyond; aimed at
+        the whole room, 217 rows took 0.5 % more than it, and a compile more to find a chunk that fits).
       best_effort_fraction: when even the bytes that must stay exceed the limit, a region is still
         cut until its slice is this share of them (beyond that, smaller slices only cost steps).
       root_depth: how many ops downstream of a large tensor roots are looked for ...
@@ -140,6 +144,7 @@ class Tuning:
     backward_cost_factor: float = 5.0
     starved_steps: int = 256
     fused_starved_steps: int = 32
+    growth_aim: float = 0.95
     best_effort_fraction: float = 0.1
     root_depth: int = 8
     root_depth_wide: int = 32

@@ -212,12 +212,15 @@ def test_capped_split_anyway_at_least_and_starved():
 class TestFusedGrown:
     # XLA's figures for a Keras CNN's training step along its batch (planned at 93), alone, by chunk.
     CNN = {1: 66_678_590, 2: 96_104_350, 3: 93_286_238, 4: 120_483_742, 8: 168_456_094}
-    # ... and for Keras' MNIST convnet's (batch 128): not straight in the chunk (7 and 10 made up between).
-    CONVNET = {4: 4_787_686, 5: 7_747_784, 6: 8_035_272, 7: 8_300_000, 8: 8_534_758, 9: 8_800_000,
-               10: 14_000_000, 12: 16_772_808, 16: 15_509_734}       # (7, 9 and 10 made up between)
-    # ... and for a batch-hard triplet loss' step over 4,096 embeddings: a step between 4 and 47 rows.
-    TRIPLET = {2: 134_556_444, 4: 134_763_292, 47: 204_658_016, 92: 207_143_456, 93: 207_200_000,
-               48: 204_700_000, 182: 212_737_312}
+    # ... and for Keras' MNIST convnet's (batch 128): not straight in the chunk (9 and 10 made up between).
+    CONVNET = {4: 4_787_686, 5: 7_747_784, 6: 8_035_272, 8: 8_534_758, 9: 8_800_000,
+               10: 14_000_000, 12: 16_772_808, 16: 15_509_734}
+
+    @staticmethod
+    def triplet(chunk: int) -> int:
+        """... and for a batch-hard triplet loss' step over 4,096 embeddings (measured at 2, 4, 47, 92
+        and 182 rows): a step of 70 MB between 4 and 47 rows, put at 40 here."""
+        return int(134_349_596 + 103_424 * chunk if chunk < 40 else 204_000_000 + 14_000 * chunk)
 
     @staticmethod
     def asking(figures, asked):
@@ -234,26 +237,42 @@ class TestFusedGrown:
         assert policy.fused_grown((41_315_235, 1), 93, 1, DEFAULT_TUNING, self.asking(self.CNN, asked)) == 3
         assert asked == [1, 2, 4, 3]
 
-    def test_a_chunk_the_loop_alone_does_not_fit_is_halved_towards_the_largest_that_does(self):
-        """From 4 and 8 rows, 0.94 MB a row: 6.4 MB of room make 10 rows, 9.2 MB more than 4 alone;
-        halfway back to 8 (3.7 MB more, within the room), 9 rows, 4.0 MB more, are kept."""
+    def test_a_chunk_over_the_room_gives_the_line_to_the_largest_within_it(self):
+        """From 4 and 8 rows, 0.94 MB a row: 95 % of 6.4 MB of room make 10 rows, 9.2 MB more than 4
+        alone, over it; the line from 8 (3.7 MB more, within the room) to 10 gives no row more: 8."""
         asked = []
         grown = policy.fused_grown((9_086_343, 4), 128, 1, DEFAULT_TUNING, self.asking(self.CONVNET, asked))
-        assert grown == 9 and asked == [4, 8, 10, 9]
+        assert grown == 8 and asked == [4, 8, 10]
 
-    def test_the_largest_chunk_measured_within_the_room_is_kept_where_no_larger_one_fits(self):
-        """The triplet loss: 2 and 4 rows are 0.2 MB apart, so 26.7 MB of room make 182 rows, past a
-        step of 70 MB in XLA's figure; so are 93 and 48.  The 4 rows measured, within the room, halve the
-        loop's 2,048 steps (it was kept at 2)."""
+    def test_a_step_in_the_figure_is_closed_in_on_along_the_lines_through_it(self):
+        """The triplet loss: 2 and 4 rows are 0.2 MB apart, so 26.7 MB of room make 173 rows, past the
+        step of 70 MB; the line from 4 to 173 gives 45, past it too; the line from 4 to 45 gives 14,
+        within the room: the loop's 2,048 steps of 2 rows become 293 (the largest chunk measured within
+        the room, 4, would only have halved them)."""
         asked = []
-        grown = policy.fused_grown((26_737_548, 2), 4096, 1, DEFAULT_TUNING, self.asking(self.TRIPLET, asked))
-        assert grown == 4 and asked == [2, 4, 182, 93, 48]
+        grown = policy.fused_grown((26_737_548, 2), 4096, 1, DEFAULT_TUNING,
+                                   lambda c: asked.append(c) or self.triplet(c))
+        assert grown == 14 and asked == [2, 4, 173, 45, 14]
 
     def test_a_straight_figure_is_grown_at_once(self):
+        """1 MB a row: 95 % of 0.7 of the 10 MB of room make 6 rows more than 4, at the first try."""
         asked = []
         assert policy.fused_grown((10**7, 4), 1000, 1, DEFAULT_TUNING,
-                                  self.asking({c: 10**7 + 10**6 * c for c in range(1, 20)}, asked)) == 4 + 7
-        assert asked == [4, 8, 11]                                         # 0.7 of 10 rows
+                                  self.asking({c: 10**7 + 10**6 * c for c in range(1, 20)}, asked)) == 4 + 6
+        assert asked == [4, 8, 10]
+
+    def test_the_first_try_aims_below_the_whole_room(self):
+        """A figure a little steeper beyond the first two chunks (a Transformer's attention loop alone:
+        67.9 kB a row from 32 to 64 rows, 68.5 kB beyond): aimed at the whole room, the first try is over it."""
+        def figure(c):
+            return 6_267_300 + 67_891 * c if c <= 64 else 6_267_300 + 67_891 * 64 + 68_460 * (c - 64)
+
+        room = (17_971_308, 32)
+        for aim, chunks in ((1.0, [32, 64, 217, 216]), (DEFAULT_TUNING.growth_aim, [32, 64, 208])):
+            asked = []
+            grown = policy.fused_grown(room, 1024, 1, Tuning(growth_aim=aim),
+                                       self.asking({c: figure(c) for c in range(1, 513)}, asked))
+            assert asked == chunks and grown == chunks[-1], (aim, asked, grown)
 
     def test_no_room_to_grow_or_no_figure_keeps_the_plan(self):
         assert policy.fused_grown((10**7, 2), 5, 1, DEFAULT_TUNING, lambda c: 10**6 * c) is None   # 2 of 5 rows
