@@ -108,7 +108,7 @@ def two_epochs(model, data, keras, limit: int | None = None, **options) -> tuple
     if limit is not None:
         tf_memsafe.enable(limit, **options)
     try:
-        with xla_flags.dump_all_compiles() as folder:
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:
             steps = StepTimes(keras)
             start = time.perf_counter()
             first = model.fit(data, epochs=1, verbose=0, callbacks=[steps.callback]).history["loss"]

@@ -121,7 +121,7 @@ def _fit(keras_name: str, model_name: str, variant: str, limit: int | None, quic
     if variant != "naive":
         tf_memsafe.enable(limit)
     try:
-        with xla_flags.dump_all_compiles() as folder, patch, pipeline:
+        with xla_flags.dump_all_compiles(in_memory=True) as folder, patch, pipeline:
             start = time.perf_counter()
             losses = model.fit(data, epochs=1, verbose=0).history["loss"]
             first = time.perf_counter() - start

@@ -122,7 +122,7 @@ def measure(matrix: tuple[int, ...], vector: tuple[int, ...], repeats: int, quic
                 continue
             x = dtensor.relayout(dtensor.copy_to_mesh(full, layout([None] * len(shape))), layout(source))
             plan = tf_memsafe.explain_relayout(x, layout(target)).plan
-            with xla_flags.dump_all_compiles() as folder:
+            with xla_flags.dump_all_compiles(in_memory=True) as folder:
                 ours = [s.numpy() for s in dtensor.unpack(tf_memsafe.relayout(x, layout(target)))]
                 programs = [own for name, own in xla_flags.allocated_reports(folder) if "assemble" in name]
             theirs = [s.numpy() for s in dtensor.unpack(dtensor.relayout(x, layout(target)))]

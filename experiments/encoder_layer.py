@@ -168,7 +168,7 @@ def _fitted(keras, depth, length, limit):
     data = tf.data.Dataset.from_tensor_slices((rng.standard_normal((2 * BATCH, length, D_MODEL)).astype(np.float32),
                                                rng.integers(0, 10, (2 * BATCH, length)))).batch(BATCH)
     mark = hook.report_mark()
-    with warnings.catch_warnings(record=True) as caught, xla_flags.dump_all_compiles() as folder:
+    with warnings.catch_warnings(record=True) as caught, xla_flags.dump_all_compiles(in_memory=True) as folder:
         warnings.simplefilter("always")
         with (tf_memsafe.options(memory_limit=limit) if limit else hook.suspended()):
             start = time.perf_counter()

@@ -103,7 +103,7 @@ def worker(index: int, ports: list[int], length: int, steps: int, limit: int) ->
     tf_memsafe.enable(limit)
     mark = hook.report_mark()
     losses = []
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         for _ in range(steps):
             losses.append(float(step()))
         programs = [total for name, total in xla_flags.memory_reports(folder) if "loss_and_grads" in name]

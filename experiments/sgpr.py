@@ -391,7 +391,7 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     evaluate = opt.eval_func(model.training_loss, variables, tf_fun_args=TF_FUN_ARGS)   # what minimize builds
     x0 = opt.initial_parameters(variables).numpy()                                     # [P]
     mark = hook.report_mark()
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         start = time.perf_counter()
         loss, grad = evaluate(x0)
         out.first_call_s = time.perf_counter() - start
@@ -435,7 +435,7 @@ def run_side(split: Split, kernel: str, m_inducing: int, s: Settings, train: boo
     predict_fns = [] if too_large else [tf.function(fn, jit_compile=True) for fn in predictors(model, split)]
     figures = []
     for fn in predict_fns:
-        with xla_flags.dump_all_compiles() as folder:
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:
             fn()                                                                       # compiled here
             figures.append(compiled_bytes(folder))
     out.predict_bytes = None if None in figures or not figures else max(figures)

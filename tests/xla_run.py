@@ -18,7 +18,7 @@ def run_and_measure(f, *args, **kwargs):
     over its modules, as ``memory_footprint`` sums them).  ``f`` is a ``tf.function`` with
     ``jit_compile=True`` that this call traces or compiles for the first time: a call that compiles
     nothing has no figure, and fails here."""
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         result = f(*args, **kwargs)
         token = memory._module_token(f.get_concrete_function(*args, **kwargs).name)
         figures = [total for module, total in xla_flags.memory_reports(folder) if token in module]

@@ -342,14 +342,14 @@ def dump_roots() -> list[str]:
     return [*roots, tempfile.gettempdir()]
 
 
-def _dump_dir(kind: str) -> str:
+def _dump_dir(kind: str, in_memory: bool = True) -> str:
     """A fresh private dump directory named with this process's id, in the first of
-    :func:`dump_roots`; stale ones of dead processes (killed while measuring, so they could not
-    delete theirs) are removed first."""
+    :func:`dump_roots` (``in_memory``) or the temp dir; stale ones of dead processes (killed while
+    measuring, so they could not delete theirs) are removed first."""
     roots = dump_roots()
     for root in roots:
         remove_stale_dumps(root)
-    return tempfile.mkdtemp(prefix=f"tf_memsafe_{kind}_dump_{os.getpid()}_", dir=roots[0])
+    return tempfile.mkdtemp(prefix=f"tf_memsafe_{kind}_dump_{os.getpid()}_", dir=roots[0] if in_memory else roots[-1])
 
 
 def remove_stale_dumps(root: str | None = None) -> int:
@@ -401,13 +401,19 @@ def dump_for_one_compile(fast_codegen: bool = False) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def dump_all_compiles() -> Iterator[str]:
+def dump_all_compiles(in_memory: bool = False) -> Iterator[str]:
     """Make XLA dump every program compiled inside the block; yields the directory.
 
     The user's own ``--xla_dump_to`` is kept and yielded, with the user's other dump settings
     (``--xla_dump_hlo_as_text`` is added unless the user set it; nothing is deleted there);
     otherwise a private temporary directory is used, with the measurement's dump flags, and
     deleted afterwards.  ``XLA_FLAGS`` afterwards is as after :func:`dump_for_one_compile`.
+
+    ``in_memory``: the private directory goes where a measurement's goes (:func:`dump_roots`: in
+    memory where there is room), for a block of a few compiles (a test's or a benchmark's run).
+    Otherwise it goes to the temp dir: the command line's block is the whole script, which may compile
+    many programs, each dumped as about a thousand files on XLA:CPU, kept until the script ends; in
+    memory they would take from the memory the script's programs are fitted to.
     """
     with flags_lock:
         previous = os.environ.get(ENV)
@@ -418,7 +424,7 @@ def dump_all_compiles() -> Iterator[str]:
             folder = own
             extra = [] if "--xla_dump_hlo_as_text" in {f.name for f in users} else ["--xla_dump_hlo_as_text"]
         else:
-            folder = _dump_dir("run")
+            folder = _dump_dir("run", in_memory)
             extra = _measurement_flags(folder)
         os.environ[ENV] = _with_flags_after_users(previous, extra)
     try:

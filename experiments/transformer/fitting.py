@@ -146,7 +146,7 @@ class FitCase:
 
         self._enable(variant)
         try:
-            with xla_flags.dump_all_compiles() as folder:
+            with xla_flags.dump_all_compiles(in_memory=True) as folder:
                 self.model.fit(self.data(length), epochs=1, verbose=0, callbacks=[times.callback, Losses()])
                 figure = max((total for _, total in xla_flags.memory_reports(folder)), default=0)
         finally:

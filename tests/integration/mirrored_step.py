@@ -61,7 +61,7 @@ def main() -> int:
     def run(where: str) -> dict:
         mark = hook.report_mark()
         step = step_function()               # traced afresh: the hook rewrites at trace time
-        with xla_flags.dump_all_compiles() as folder:
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:
             if where == "naive":
                 loss, grad = step()
             elif where == "outside":

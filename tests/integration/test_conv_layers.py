@@ -41,7 +41,7 @@ def _fit(keras, limit, batch_norm=False):
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensor_slices((rng.standard_normal((2 * B, 28, 28, 1)).astype(np.float32),
                                                rng.integers(0, 10, (2 * B,)))).batch(B, drop_remainder=True)
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         losses, records, said = fit_under(model, data, limit, epochs=2)
         return losses, records, said, max(total for _, total in xla_flags.memory_reports(folder))
 

@@ -187,7 +187,7 @@ def _fit(keras, limit: int | None, policy: str = "float32", measured: bool = Fal
                                                rng.integers(0, 10, (8, length)))).batch(B)
     if not measured:
         return fit_under(model, data, limit, epochs=2)
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         fitted = fit_under(model, data, limit, epochs=2)
         return (*fitted, max(total for _, total in xla_flags.memory_reports(folder)))
 

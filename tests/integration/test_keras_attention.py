@@ -26,7 +26,7 @@ def fit_losses() -> tuple[list[float], int]:
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=True)
     x = np.random.default_rng(0).standard_normal((4, L, D)).astype("float32")
     y = np.ones((4, 1), "float32")
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         history = model.fit(x, y, batch_size=2, epochs=2, verbose=0, shuffle=False)
         steps = [total for name, total in xla_flags.memory_reports(folder) if "run_step" in name]
     return history.history["loss"], max(steps)

@@ -164,7 +164,7 @@ def training(batch):
         step = model.train_step(net, keras.optimizers.Adam(1e-3))
         if variant == "tf_memsafe":
             tf_memsafe.enable(TRAIN_LIMIT)
-        with xla_flags.dump_all_compiles() as folder:    # XLA's figure for the step it compiles and runs
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:    # XLA's figure for the step it compiles and runs
             losses = [float(step(context, target_in, labels)) for _ in range(2)]
             compiled = [total for name, total in xla_flags.memory_reports(folder) if "step" in name]
         footprint = max(compiled)
@@ -199,7 +199,7 @@ def fit_transformer(batch) -> tuple[list[float], int]:
     net.compile(loss=model.masked_loss, optimizer=keras.optimizers.Adam(1e-3), metrics=[model.masked_accuracy],
                 jit_compile=True)
     data = tf.data.Dataset.from_tensors(((context, target_in), labels))
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         history = net.fit(data, epochs=2, verbose=0)
         steps = [total for name, total in xla_flags.memory_reports(folder) if "train_function" in name
                  or "run_step" in name]

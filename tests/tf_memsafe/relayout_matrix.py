@@ -82,7 +82,7 @@ def main() -> int:
             x = dtensor.relayout(dtensor.copy_to_mesh(full, layout([None] * len(shape))), layout(source))
             expected = [s.numpy() for s in dtensor.unpack(dtensor.relayout(x, layout(target)))]
             report = tf_memsafe.explain_relayout(x, layout(target))
-            with xla_flags.dump_all_compiles() as folder:
+            with xla_flags.dump_all_compiles(in_memory=True) as folder:
                 tf_memsafe.relayout(x, layout(target))                  # compiles, one program per device
                 programs = [own for name, own in xla_flags.allocated_reports(folder) if "assemble" in name]
             got, used = peak(lambda x=x, target=target: tf_memsafe.relayout(x, layout(target)))

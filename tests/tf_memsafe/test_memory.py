@@ -271,7 +271,7 @@ class TestFastCodegen:
         assert asked == [{"fast_codegen": True}]
         last = {g.name: g.value for g in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
         assert last["--xla_backend_optimization_level"] == "3"
-        with xla_flags.dump_all_compiles() as folder:
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:
             f(tf.ones([128, 32]))
             assert len(xla_flags.memory_reports(folder)) == 1       # compiled for the run, not reused
 

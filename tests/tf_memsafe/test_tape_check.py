@@ -78,7 +78,7 @@ def test_the_pair_checked_is_the_pair_tensorflow_runs(mixture):
     fn = planned(nll, "3MB")
     fn(x)
     pair = tf_memsafe.tape_footprint(nll, x)
-    with warnings.catch_warnings(), xla_flags.dump_all_compiles() as folder:
+    with warnings.catch_warnings(), xla_flags.dump_all_compiles(in_memory=True) as folder:
         warnings.simplefilter("ignore")
         under_tape(fn, x, weights)
         ran = dict(xla_flags.memory_reports(folder))

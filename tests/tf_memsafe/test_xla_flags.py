@@ -161,7 +161,7 @@ def test_dump_all_compiles_reports_each_program_and_cleans_up(restore_env):
     import tensorflow as tf
 
     before = xla_flags.user_value()
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         tf.function(lambda a: a * 3.0 + 1.0, jit_compile=True)(tf.ones([256]))
         reports = xla_flags.memory_reports(folder)
     assert len(reports) == 1 and reports[0][0].startswith("a_inference_") and reports[0][1] >= 2 * 256 * 4
@@ -186,6 +186,18 @@ class TestDumpRoots:
             tf.function(lambda a: a * 7.0 - 1.0, jit_compile=True).experimental_get_compiler_ir(
                 tf.TensorSpec([96]))(stage="optimized_hlo")
             assert any(n.endswith("memory-usage-report.txt") for n in os.listdir(folder))
+        assert os.listdir(ram) == []
+
+    def test_a_whole_run_dumps_on_disk_unless_asked_to_keep_it_in_memory(self, tmp_path, monkeypatch, restore_env):
+        """The command line dumps every compile of the script until it ends: on disk, not in the memory
+        the script's programs are fitted to; a block of a few compiles (a test's run) may ask for memory."""
+        ram = tmp_path / "ram"
+        ram.mkdir()
+        monkeypatch.setattr(xla_flags, "_RAM_ROOT", str(ram))
+        with xla_flags.dump_all_compiles() as folder:
+            assert os.path.dirname(folder) == tempfile.gettempdir()
+        with xla_flags.dump_all_compiles(in_memory=True) as folder:
+            assert os.path.dirname(folder) == str(ram)
         assert os.listdir(ram) == []
 
     @pytest.mark.parametrize("room", ["missing", "full"])
@@ -214,7 +226,7 @@ class TestDumpRoots:
 
 def test_dump_all_compiles_uses_and_keeps_the_users_directory(tmp_path, restore_env):
     os.environ["XLA_FLAGS"] += f" --xla_dump_to={tmp_path}"
-    with xla_flags.dump_all_compiles() as folder:
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
         assert folder == str(tmp_path)
     assert tmp_path.exists()
 

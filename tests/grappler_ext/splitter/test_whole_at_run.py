@@ -135,7 +135,7 @@ def test_a_tape_outside_takes_the_loops_gradient_and_the_forward_holds_nothing_o
             y = g(x)
         return tape.gradient(y, x)
 
-    with xla_flags.dump_all_compiles() as folder:                # (the pair XLA compiles for [4, 512])
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:                # (the pair XLA compiles for [4, 512])
         over = gradient(f, _batch(4, 512))
         figures = [total for _, total in xla_flags.memory_reports(folder)]
     assert len(figures) >= 2 and max(figures) <= limit, (figures, limit)
