@@ -169,6 +169,12 @@ def test_dump_all_compiles_reports_each_program_and_cleans_up(restore_env):
     assert not os.path.exists(folder)
 
 
+def _dead_pid() -> str:
+    """The id of a process that has ended (a child run to print it)."""
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 class TestDumpRoots:
     """XLA:CPU dumps every kernel's IR and object file beside the report a measurement reads: the
     private directories go to a RAM-backed directory where it has room, else to the temp dir."""
@@ -211,8 +217,7 @@ class TestDumpRoots:
 
     def test_stale_directories_are_removed_from_every_root(self, tmp_path, monkeypatch):
         ram, temp = tmp_path / "ram", tmp_path / "temp"
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        dead = _dead_pid()
         for root in (ram, temp):
             (root / f"tf_memsafe_xla_dump_{dead}_abc").mkdir(parents=True)
         monkeypatch.setattr(xla_flags, "_RAM_ROOT", str(ram))
@@ -226,7 +231,7 @@ class TestDumpRoots:
 
 def test_dump_all_compiles_uses_and_keeps_the_users_directory(tmp_path, restore_env):
     os.environ["XLA_FLAGS"] += f" --xla_dump_to={tmp_path}"
-    with xla_flags.dump_all_compiles(in_memory=True) as folder:
+    with xla_flags.dump_all_compiles() as folder:
         assert folder == str(tmp_path)
     assert tmp_path.exists()
 
@@ -234,8 +239,7 @@ def test_dump_all_compiles_uses_and_keeps_the_users_directory(tmp_path, restore_
 def test_dump_directories_of_dead_processes_are_removed(tmp_path):
     """A process killed while measuring leaves its dump directory; the next one removes it (by the
     pid in its name), and never one of a process still running."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = _dead_pid()
     stale = tmp_path / f"tf_memsafe_run_dump_{dead}_abc"
     live = tmp_path / f"tf_memsafe_xla_dump_{os.getpid()}_def"
     other = tmp_path / "someone_elses_dir"
