@@ -1,7 +1,8 @@
 """Measurement behind a protocol: XLA's figure for a program, given by whoever composes the pipeline.
 
     program_bytes(graph)        XLA's "Total bytes used" for a function's graph as it stands (compiled, never run)
-    function_bytes(fn, specs)   the same for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``
+    function_bytes(fn, specs)   the same for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``:
+                                a loop alone, whose figures size its chunk (``program_bytes`` judges the plan)
 
 ``grappler_ext`` does not compile anything itself: ``tf_memsafe`` (the composition root, which owns
 ``XLA_FLAGS`` and so the reports XLA writes) builds the pipeline with its implementation
@@ -31,7 +32,10 @@ class Measurer(Protocol):
         """XLA's "Total bytes used" for ``graph`` (a ``FuncGraph``) as it stands now."""
 
     def function_bytes(self, fn, specs: Sequence[tf.TensorSpec]) -> int:
-        """XLA's "Total bytes used" for ``fn`` compiled for ``specs``."""
+        """XLA's "Total bytes used" for ``fn`` compiled for ``specs``: a loop built alone to size its
+        chunk (:func:`grappler_ext.splitter.mechanism.loop_figure`); the program as split is then judged
+        by :meth:`program_bytes`.  A measurer may compile it in a faster mode that keeps its buffers
+        (``tf_memsafe``'s compiles it without XLA:CPU's fusion emitters)."""
 
 
 @dataclasses.dataclass(frozen=True)

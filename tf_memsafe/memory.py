@@ -116,10 +116,12 @@ def _module_token(function_name) -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", name).strip("_") + "__"
 
 
-def _measuring():
+def _measuring(sizing_only: bool = False):
     """A block whose programs are compiled to be measured, never run: XLA dumps their reports, and on
-    XLA:CPU (no GPU visible, so they compile for the CPU) generates their code at LLVM's level 0."""
-    return xla_flags.dump_for_one_compile(fast_codegen=not tf.config.list_logical_devices("GPU"))
+    XLA:CPU (no GPU visible, so they compile for the CPU) generates their code at LLVM's level 0;
+    ``sizing_only`` (a loop alone, to size its chunk), without XLA:CPU's fusion emitters too."""
+    cpu = not tf.config.list_logical_devices("GPU")
+    return xla_flags.dump_for_one_compile(fast_codegen=cpu, sizing_only=sizing_only and cpu)
 
 
 def _read_total_bytes(folder: str, function_name=None) -> int:
@@ -204,19 +206,19 @@ _FIGURES_KEPT = 4096
 
 
 def _remembered(fn, concrete, definition: graph_pb2.GraphDef, args=(), kwargs=None,
-                within=contextlib.nullcontext) -> int:
+                within=contextlib.nullcontext, sizing_only: bool = False) -> int:
     """XLA's figure for ``fn`` compiled on ``args`` and ``kwargs`` (``concrete``: its trace there, whose
     program is ``definition``): remembered if a program traced alike was measured before
     (:func:`program_fingerprint`, its captured inputs' shapes, and the user's ``XLA_FLAGS``, which
-    may change how XLA lays it out), else compiled (never run; inside ``within()``) and remembered
-    (the last ``_FIGURES_KEPT``)."""
+    may change how XLA lays it out), else compiled (never run; inside ``within()``; ``sizing_only``:
+    see :func:`compiled_bytes`) and remembered (the last ``_FIGURES_KEPT``)."""
     key = (program_fingerprint(definition) + repr(
         [(t.dtype.name, tuple(t.shape.as_list())) for t in concrete.captured_inputs])
-        + xla_flags.user_value())
+        + xla_flags.user_value() + ("/sizing" if sizing_only else ""))
     if key in _FIGURES:
         _FIGURES.move_to_end(key)
         return _FIGURES[key]
-    with within(), _measuring() as folder:
+    with within(), _measuring(sizing_only) as folder:
         fn.experimental_get_compiler_ir(*args, **(kwargs or {}))(stage="optimized_hlo")
         figure = _read_total_bytes(folder, concrete.name)
     _FIGURES[key] = figure
@@ -225,9 +227,13 @@ def _remembered(fn, concrete, definition: graph_pb2.GraphDef, args=(), kwargs=No
     return figure
 
 
-def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec) -> int:
+def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.TensorSpec,
+                   sizing_only: bool = False) -> int:
     """XLA's "Total bytes used" for ``fn`` (a ``tf.function(jit_compile=True)``) compiled for ``specs``,
     traced with tf_memsafe's hook suspended: the figure of exactly the program ``fn`` builds.
+    ``sizing_only``: a loop alone, measured to size its chunk (the program as split is measured
+    after, as it runs), compiled on XLA:CPU without its fusion emitters, in about half the time
+    (:mod:`tf_memsafe.xla_flags`).
 
     Compiled, never run.  The splitter measures its loops with it (through :class:`XlaMeasurer`).
     A program traced alike before (:func:`program_fingerprint`: the same loop of another layer, or
@@ -243,7 +249,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         definition = concrete.graph.as_graph_def()
         if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
             return graph_bytes(concrete.graph, [spec.shape for spec in specs])
-        return _remembered(fn, concrete, definition, specs)
+        return _remembered(fn, concrete, definition, specs, sizing_only=sizing_only)
 
 
 def live_definition(graph) -> graph_pb2.GraphDef:
@@ -354,7 +360,7 @@ class XlaMeasurer:
         return graph_bytes_later(graph)
 
     def function_bytes(self, fn, specs) -> int:
-        return compiled_bytes(fn, *specs)
+        return compiled_bytes(fn, *specs, sizing_only=True)    # (a loop alone, to size its chunk)
 
     def __repr__(self) -> str:
         return "XlaMeasurer()"

@@ -241,7 +241,8 @@ class TestFastCodegen:
         return tf.while_loop(lambda i, acc: i < 8, body, (0, tf.zeros([512])))[1]
 
     def figures(self, fast: bool, monkeypatch) -> list[int]:
-        monkeypatch.setattr(memory, "_measuring", lambda: xla_flags.dump_for_one_compile(fast_codegen=fast))
+        monkeypatch.setattr(memory, "_measuring",
+                            lambda sizing_only=False: xla_flags.dump_for_one_compile(fast_codegen=fast))
         specs = (tf.TensorSpec([512, 96]), tf.TensorSpec([96, 96]))
         loop = tf.function(self.step, jit_compile=True, autograph=False)
         return [memory.compiled_bytes(loop, *specs),
@@ -268,12 +269,43 @@ class TestFastCodegen:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(xla_flags, "dump_for_one_compile", spy)
             tf_memsafe.memory_footprint(f, tf.TensorSpec([128, 32]))
-        assert asked == [{"fast_codegen": True}]
+        assert asked == [{"fast_codegen": True, "sizing_only": False}]
         last = {g.name: g.value for g in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
         assert last["--xla_backend_optimization_level"] == "3"
         with xla_flags.dump_all_compiles(in_memory=True) as folder:
             f(tf.ones([128, 32]))
             assert len(xla_flags.memory_reports(folder)) == 1       # compiled for the run, not reused
+
+
+class TestSizingOnly:
+    """A loop the splitter compiles alone to size its chunk is compiled without XLA:CPU's fusion
+    emitters (about half the compile time); what is held against the limit is compiled as it runs."""
+
+    def test_a_loop_alone_has_the_figure_it_has_with_the_emitters(self):
+        specs = (tf.TensorSpec([512, 96]), tf.TensorSpec([96, 96]))
+        loop = tf.function(TestFastCodegen.step, jit_compile=True, autograph=False)
+        memory._FIGURES.clear()
+        exact = memory.compiled_bytes(loop, *specs)
+        sized = memory.compiled_bytes(loop, *specs, sizing_only=True)     # (not the exact one remembered)
+        assert sized == exact >= 64 * 512 * F32
+
+    def test_the_splitters_loops_alone_ask_for_it_and_its_programs_do_not(self, monkeypatch):
+        asked = []
+        real = xla_flags.dump_for_one_compile
+
+        def spy(**kw):
+            asked.append(kw)
+            return real(**kw)
+
+        monkeypatch.setattr(xla_flags, "dump_for_one_compile", spy)
+        memory._FIGURES.clear()
+        measurer = memory.XlaMeasurer()
+        f = tf.function(lambda a: tf.reduce_sum(a @ tf.transpose(a)), jit_compile=True)
+        measurer.function_bytes(f, [tf.TensorSpec([128, 32])])
+        measurer.program_bytes(f.get_concrete_function(tf.TensorSpec([128, 32])).graph)
+        assert asked == [{"fast_codegen": True, "sizing_only": True}, {"fast_codegen": True, "sizing_only": False}]
+        last = {g.name: g.value for g in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+        assert last["--xla_cpu_use_fusion_emitters"] == "true"
 
 
 @pytest.mark.slow
@@ -438,7 +470,8 @@ class TestProgramsMeasuredOnce:
             assert any(op.type in ("While", "StatelessWhile") for op in call.get_operations())
             measured = []
             real = memory._remembered
-            monkeypatch.setattr(memory, "_remembered", lambda fn, concrete, definition, *rest: (
-                measured.append(memory.program_fingerprint(definition)), real(fn, concrete, definition, *rest))[1])
+            monkeypatch.setattr(memory, "_remembered", lambda fn, concrete, definition, *rest, **kw: (
+                measured.append(memory.program_fingerprint(definition)),
+                real(fn, concrete, definition, *rest, **kw))[1])
             tf_memsafe.memory_footprint(nearest, q, p)
         assert measured[-1] == memory.program_fingerprint(call.as_graph_def())

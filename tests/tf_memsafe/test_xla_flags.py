@@ -328,9 +328,10 @@ class TestTheUsersValueIsKeptByteForByte:
             ours = xla_flags._split_ours(os.environ["XLA_FLAGS"])[0]
         read = [f.argv for f in inside.flags]
         users = [f.argv for f in xla_flags.parse_flags(value).flags]
-        assert read[0] == xla_flags.RESET_FLAG and read[2:2 + len(users)] == users
-        assert read[1] == "--xla_backend_optimization_level=3"        # XLA's default, unless the user's
-        assert ours == f"{xla_flags.RESET_FLAG} --xla_backend_optimization_level=3"    # not the user's
+        assert read[0] == xla_flags.RESET_FLAG and read[3:3 + len(users)] == users
+        # XLA's defaults for what a measurement may change, unless the user's
+        assert read[1:3] == ["--xla_backend_optimization_level=3", "--xla_cpu_use_fusion_emitters=true"]
+        assert ours == " ".join([xla_flags.RESET_FLAG, *read[1:3]])      # not the user's
         # Last wins in XLA: the measurement's directory, text dumps and no filter of the user's.
         last = {f.name: f.value for f in inside.flags}
         assert last["--xla_dump_to"] == folder and last["--xla_dump_hlo_module_re"] == ""
@@ -355,6 +356,26 @@ class TestTheUsersValueIsKeptByteForByte:
             with xla_flags.dump_for_one_compile():
                 plain = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
             assert plain["--xla_backend_optimization_level"] == after
+
+    def test_sizing_only_turns_the_fusion_emitters_off_inside_the_block_and_xlas_default_or_the_users_after(
+            self, monkeypatch):
+        for value, after in (("--xla_cpu_enable_fast_math=false", "true"), ("--xla_cpu_use_fusion_emitters=false",
+                                                                           "false")):
+            monkeypatch.setenv("XLA_FLAGS", f"{xla_flags.RESET_FLAG} {value}")
+            with xla_flags.dump_for_one_compile(fast_codegen=True, sizing_only=True):
+                inside = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert inside["--xla_cpu_use_fusion_emitters"] == "false"
+            assert inside["--xla_backend_optimization_level"] == "0"
+            last = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert last["--xla_cpu_use_fusion_emitters"] == after and xla_flags.user_value() == value
+            # A block without it names XLA's default (XLA would keep what it read last) or the user's.
+            for kw in ({}, {"fast_codegen": True}):
+                with xla_flags.dump_for_one_compile(**kw):
+                    plain = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+                assert plain["--xla_cpu_use_fusion_emitters"] == after
+            with xla_flags.dump_all_compiles(in_memory=True):
+                run = {f.name: f.value for f in xla_flags.parse_flags(os.environ["XLA_FLAGS"]).flags}
+            assert run["--xla_cpu_use_fusion_emitters"] == after and xla_flags.user_value() == value
 
     def test_set_and_unset_edit_the_text_only_where_xla_reads(self, known, monkeypatch):
         known("--xla_cpu_use_thunk_runtime=false")
