@@ -342,9 +342,13 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
     built as a function of the region's inputs and compiled by ``measurer`` (never run).  ``fused``:
     the loop that computes its gradients as it goes, with them (those ``asks`` says are asked for)."""
-    # Dimensions known only at run time are compiled at the nominal sizes the plan is made at; a loop
-    # whose rows hold the same bytes at any sizes reads them as constants there (its chunk: ``chunk``).
-    if region.scaled and not region.scaled.steady:
+    # Dimensions known only at run time are compiled at the nominal sizes the plan is made at, read
+    # as constants there (its chunk: ``chunk``).  A forward loop whose rows grow with them is measured
+    # there too: the bytes a row costs at the nominal sizes, which its chunk is scaled from at the
+    # run's (:mod:`.scaling`).  One computing its gradients as it goes is not: it holds a slice's
+    # gradients too, beyond what its rows' growth counts.
+    scaled = region.scaled
+    if fused and scaled and not scaled.steady:
         raise ValueError("its slices' rows grow with the run-time sizes")
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)
@@ -360,8 +364,16 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
             return forward(*values)
 
     fn = tf.function(alone, jit_compile=True, autograph=False)
-    with tf.init_scope():
-        return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])
+    # (a scaled loop's room, from a plan built before, would cap the chunk: ``chunk`` is measured)
+    held = scaled.plan if scaled is not None else None
+    try:
+        if scaled is not None:
+            scaled.plan = None
+        with tf.init_scope():
+            return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])
+    finally:
+        if scaled is not None:
+            scaled.plan = held
 
 
 def new_loops(graph, existing: set) -> list[tf.Operation]:

@@ -153,13 +153,14 @@ class Sizing(str, enum.Enum):
 
     MODEL = "model"                        # the memory model's count (calibration off, or not tried)
     MODEL_NO_SECOND_SIZE = "model_no_second_size"   # no second chunk size to compare with
-    MODEL_RUN_TIME = "model_run_time"               # a loop over run-time sizes: not compiled alone
     MODEL_MEASURE_FAILED = "model_measure_failed"   # compiling the loop failed (``detail``: the error's type)
     MODEL_NOT_GROWING = "model_not_growing"         # XLA's figure does not grow with the chunk
     MODEL_IMPLAUSIBLE = "model_implausible"         # ... grows by a tiny share of the model's count a row
     MODEL_MEASURED_REFUSED = "model_measured_refused"  # with XLA's figure no plan (``detail``: why)
     LOOP_FIGURE = "loop_figure"            # XLA's figure for the loop alone at two chunks, with a margin
     PROGRAM_FIGURE = "program_figure"      # XLA's figure for the loop, which is the whole program
+    NOMINAL_FIGURE = "nominal_figure"      # XLA's figure for the loop alone at the nominal sizes, a row's
+                                           # bytes there scaled to the run's sizes (.scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,11 +344,13 @@ class LoopPlan:
             return ""
         if s == Sizing.LOOP_FIGURE:
             return f"; chunk from XLA's figure for the loop ({self.bytes_per_row:,.0f} B a row)"
+        if s == Sizing.NOMINAL_FIGURE:
+            return (f"; chunk from XLA's figure for the loop at the nominal sizes ({self.bytes_per_row:,.0f} B a row "
+                    "there), scaled to the sizes it runs at")
         if s == Sizing.PROGRAM_FIGURE:
             return (f"; chunk from XLA's figure for the loop, which is the program ({self.loop_figure_bytes:,} B at "
                     f"this chunk, {self.bytes_per_row:,.0f} B a row)")
         why = {Sizing.MODEL_NO_SECOND_SIZE: "no second chunk size to compare with",
-               Sizing.MODEL_RUN_TIME: "its slices have sizes known only at run time, so it is not compiled alone",
                Sizing.MODEL_MEASURE_FAILED: f"measuring the loop failed: {self.sizing_detail}",
                Sizing.MODEL_NOT_GROWING: "XLA's figure does not grow with the chunk",
                Sizing.MODEL_IMPLAUSIBLE: f"XLA's figure for the loop alone grows by {self.sizing_detail}, which "

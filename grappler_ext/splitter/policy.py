@@ -400,13 +400,19 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     (``Tuning.safety_margin``), so this mostly gives larger chunks, and fewer steps, than it did.
     ``measured``: two ``(chunk, figure)`` of this very loop already known (:attr:`Planned.figures`),
     read instead of those two compiles (the fit below still compiles at the chunk it chooses).
+
+    A loop whose chunk is scaled to the run's sizes (:mod:`.scaling`) is compiled alone at the
+    nominal sizes it is planned at, and planned there by XLA's bytes a row, which the run's sizes
+    scale as they scaled the model's count (never sized to the whole program's margin: that would
+    fill the limit at the nominal sizes alone).  ``experiments/padded``'s Keras 3 attention classifier
+    at L = 1024, planned at [8, 627]: 165 kB a row, its forward chunk 33 rows where the model's count
+    gave 19.
     """
     k = top_k(options)
     length, first = chunks.length, chunks.chunk
     second = 2 * first if 2 * first <= length // 2 else first // 2
     unchanged = Sized(chunks, 0.0, Sizing.MODEL)
-    if grown.region.scaled is not None:        # (its chunk is scaled to each run's sizes: see .scaling)
-        return dataclasses.replace(unchanged, sizing=Sizing.MODEL_RUN_TIME)
+    scaled = grown.region.scaled is not None
     if len(measured) == 2 and measured[0][0] != measured[1][0]:
         (first, low), (second, high) = sorted(measured)
         figures = [low, high]
@@ -425,7 +431,8 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
         # alone, 45.7 kB by the model, 129 MB as the program's loop): the model's plan stands.
         return dataclasses.replace(unchanged, sizing=Sizing.MODEL_IMPLAUSIBLE,
                                    detail=f"{per_row:,.1f} B a row against the memory model's {model_per_unit:,.0f} B")
-    rest = rest_beside(grown, beside, budget, tuning)
+    # (a scaled loop is sized by its row's bytes: the room the run's sizes leave scales its chunk)
+    rest = None if scaled else rest_beside(grown, beside, budget, tuning)
     if rest is not None:
         try:
             fitted = _fitted(length, k, (first, figures[0]), per_row, rest, budget, tuning, loop_figure)
@@ -440,7 +447,7 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
     if not new.splits:
         # XLA's figure says the region fits whole, while the program does not.
         new = split_anyway(new, again.per_unit)
-    return Sized(new, again.per_unit, Sizing.LOOP_FIGURE, bytes_per_row=per_row)
+    return Sized(new, again.per_unit, Sizing.NOMINAL_FIGURE if scaled else Sizing.LOOP_FIGURE, bytes_per_row=per_row)
 
 
 def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning, unnested: Planned,

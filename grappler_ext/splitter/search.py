@@ -116,7 +116,7 @@ class RegionSearch:
                                       lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c),
                                       large_joins=run.relaxed, model_per_unit=per_unit,
                                       measured=planned.figures)
-            if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.PROGRAM_FIGURE):
+            if sized.sizing in (Sizing.LOOP_FIGURE, Sizing.NOMINAL_FIGURE, Sizing.PROGRAM_FIGURE):
                 chunks, per_unit = sized.chunks, sized.per_unit
                 backward_chunk = min(backward_chunk, chunks.chunk)
         # A loop computing its gradients as it goes is planned with them (the fused unit's chunk), not on

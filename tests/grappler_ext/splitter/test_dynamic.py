@@ -19,7 +19,7 @@ import tf_memsafe
 from grappler_ext import shapes
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.splitter import Splitter, Tuning, lengths, nominal, rules, scaling
-from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit
+from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import always_split
 from tf_memsafe import hook
@@ -273,6 +273,26 @@ def test_a_padded_batch_attention_keeps_its_limit_at_other_sizes():
             tf_memsafe.disable()
         before = tf_memsafe.memory_footprint(f, spec, rewrite=False)
         assert after <= limit < before // 4, (b, n, after, limit, before)
+
+
+def test_a_padded_batch_attention_loop_is_sized_by_its_figure_at_the_nominal_sizes():
+    """Its rows grow with the run's batch and length, so its chunk is scaled to them at run time; the
+    bytes a row that chunk is scaled from are XLA's, its loop alone compiled at the nominal sizes (the
+    model's count, kept on the safe side, gave fewer rows).  Within the limit on both sides of the
+    nominal sizes, and equal to the unsplit loss."""
+    limit = tf_memsafe.memory_footprint(tf.function(attention_loss), _batch(4, 512), rewrite=False) // 8
+    f, records = _padded(attention_loss, limit, split_always=False)
+    (plan,) = [r.plan for r in records if r.code == Code.SPLIT]
+    assert plan.sizing == Sizing.NOMINAL_FIGURE and plan.bytes_per_row > 0, plan.render()
+    assert "at the nominal sizes" in plan.render()
+    for b, n in ((2, 1024), (16, 256)):
+        tf_memsafe.enable(limit)
+        try:
+            after = tf_memsafe.memory_footprint(f, tf.TensorSpec([b, n, E]))
+        finally:
+            tf_memsafe.disable()
+        assert after <= limit, (b, n, after, limit)
+    _close(f(_batch(3, 700)), tf.function(attention_loss, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
 
 
 DENSE_IN = tf.Variable(rng.randn(16, 512).astype(np.float32) / 4)

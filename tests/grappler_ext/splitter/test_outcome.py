@@ -46,9 +46,9 @@ class TestLoopPlan:
         assert failed.render().endswith("; chunk from the memory model (measuring the loop failed: MeasurementError); "
                                         "best effort, the limit cannot be met (3,000,000 B needed by the memory "
                                         "model's count; the region stops where `x` is an input)")
-        run_time = loop_plan(sizing=Sizing.MODEL_RUN_TIME)
-        assert "; chunk from the memory model (its slices have sizes known only at run time, so it is not " \
-               "compiled alone)" in run_time.render()
+        run_time = loop_plan(sizing=Sizing.NOMINAL_FIGURE, bytes_per_row=165_120.0)
+        assert ("; chunk from XLA's figure for the loop at the nominal sizes (165,120 B a row there), scaled to "
+                "the sizes it runs at") in run_time.render()
         whole = loop_plan(sizing=Sizing.PROGRAM_FIGURE, bytes_per_row=10.0, loop_figure_bytes=123_456)
         assert "which is the program (123,456 B at this chunk, 10 B a row)" in whole.render()
 

@@ -163,17 +163,22 @@ class TestCalibrated:
         chunks, sized = self.sized(region, fail)
         assert (sized.sizing, sized.detail, sized.chunks) == (Sizing.MODEL_MEASURE_FAILED, "MeasurementError", chunks)
 
-    def test_a_loop_over_run_time_sizes_is_sized_by_the_model_and_says_why(self, region):
-        """Its slices' sizes are known only at run time (its chunk is scaled to them): it is not
-        compiled alone, and the record says so rather than that a measurement failed."""
+    def test_a_loop_over_run_time_sizes_is_sized_by_its_figure_a_row_at_the_nominal_sizes(self, region):
+        """Its chunk is scaled to the run's sizes (.scaling): compiled alone at the nominal sizes, its row's
+        bytes there plan it, never the whole program's margin (the loop is the program here, which
+        would size it to fill the limit at the nominal sizes alone)."""
         _, grown, _ = region
         measured = []
         grown.region.scaled = types.SimpleNamespace(steady=False)    # (a Scaling whose rows grow with the sizes)
         try:
-            chunks, sized = self.sized(region, lambda c: measured.append(c) or 10**5)
+            chunks, sized = self.sized(region, lambda c: measured.append(c) or 10**5 + 4000 * c)
         finally:
             grown.region.scaled = None
-        assert (sized.sizing, sized.chunks, measured) == (Sizing.MODEL_RUN_TIME, chunks, [])
+        assert sized.sizing == Sizing.NOMINAL_FIGURE and sized.bytes_per_row == pytest.approx(4000)
+        assert sized.per_unit == pytest.approx(4000 / DEFAULT_TUNING.calibration_margin)
+        assert len(measured) == 2 and sized.chunks.chunk > chunks.chunk
+        _, whole = self.sized(region, lambda c: 10**5 + 4000 * c)       # the same loop of static sizes
+        assert whole.sizing == Sizing.PROGRAM_FIGURE
 
     def test_a_figure_that_does_not_grow_is_not_believed(self, region):
         chunks, sized = self.sized(region, lambda c: 10**6)
