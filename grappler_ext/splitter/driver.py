@@ -389,9 +389,10 @@ class _Run:
             left.skip([], f"XLA's figure as split, {measured:,} B, is not {less} below as written, {written:,} B: "
                           "left as written", code=Code.NO_SMALLER)
             worst = outcome.worst(tried.records)
+            why = f"; {outcome.cause(worst, tried.records)}" if worst else ""
             self.pending = [f"`{self.graph.name}` needs {_mb(written)} by XLA's figure as written, over its limit "
                             f"of {_mb(self.limit)}, and the splitter's best plan for it was not {less} smaller "
-                            f"({_mb(measured)}): left as written" + (f"; {outcome.cause(worst)}" if worst else "")
+                            f"({_mb(measured)}): left as written" + why
                             + ". It will run as well as it can; raise memory_limit."]
             return left, written
         if undone:                       # the plan again, as built (its figures are known)
@@ -680,7 +681,7 @@ class _Run:
         if self._said_within(after, figure := self.figure(), result):
             return
         self.warned_figure = figure.bytes
-        what = outcome.cause(worst) + rules.redraw_hint(
+        what = outcome.cause(worst, result.records) + rules.redraw_hint(
             [worst] + [r for r in result.records if r.code in CANNOT_SPLIT], self.options.redraw_random)
         as_written = est.peak_bytes is None and self.entry_over is not None
         # (what no rewrite changes, by the model's count of the program as traced: not at nominal sizes)

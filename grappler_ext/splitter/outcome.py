@@ -44,12 +44,32 @@ def worst(records):
     return max(failed, key=lambda r: r.bytes_before or 0, default=None)
 
 
-def cause(record) -> str:
+_NAMED = 4          # the other tensors a warning names
+
+
+def cause(record, records=()) -> str:
     """What a warning says of the ``record`` :func:`worst` gives: "the splitter cannot split ..." or
-    "the splitter could only reduce it: ..."."""
+    "the splitter could only reduce it: ...".  Where ``records`` hold other large tensors that no
+    region could split, how many and how much they hold with it: a tensor of a tenth of the limit
+    does not put a program over it alone (an SVGP step, 4.5 MB under 4 MB: four [M, M] tensors of
+    320 kB around a ``Cholesky``, and the warning named one)."""
     if record.code == Code.BEST_EFFORT:
         return f"the splitter could only reduce it: {record.reason}"
-    return f"the splitter {record.reason[0].lower()}{record.reason[1:]}"
+    said = f"the splitter {record.reason[0].lower()}{record.reason[1:]}"
+    seen, others = set(record.ops), []
+    for r in sorted(records, key=lambda r: -(r.bytes_before or 0)):
+        if r.code in CANNOT_SPLIT and r.bytes_before and r.ops and not seen & set(r.ops):
+            seen |= set(r.ops)
+            others.append(r)
+    if not others:
+        return said
+    names = ", ".join(f"`{r.ops[0]}`" for r in others[:_NAMED])
+    more = f" and {len(others) - _NAMED} more" if len(others) > _NAMED else ""
+    total = (record.bytes_before or 0) + sum(r.bytes_before for r in others)
+    s = "s" if len(others) > 1 else ""
+    return (f"{said}; nor can it split {len(others)} other large tensor{s} ({names}{more}): "
+            f"{megabytes(total)} with that one")
+
 
 
 class Code(str, enum.Enum):

@@ -8,7 +8,7 @@ import json
 
 from grappler_ext.pass_base import PassResult, Record
 from grappler_ext.splitter import CANNOT_SPLIT, Code, LoopPlan, RootSplit, Sizing
-from grappler_ext.splitter.outcome import BestEffort, CannotFit, Whole
+from grappler_ext.splitter.outcome import BestEffort, CannotFit, Whole, cause
 from tf_memsafe.report import Report
 
 
@@ -135,3 +135,31 @@ class TestCannotFit:
         fig = dict(needed=300 * 10**6, by="about", figure=160 * 10**6, limit=10**8, wanted=10**8, what="it cannot")
         assert "(160.0 MB by XLA's figure as written)" in CannotFit("f", after=None, split=False, **fig).render()
         assert "(160.0 MB by XLA's figure as split)" in CannotFit("f", after=None, **fig).render()
+
+
+class TestCause:
+    """What a warning says could not be split: the largest such tensor, and how many others and how
+    much they hold with it (a GPflow SVGP step under 4 MB, 4.5 MB by XLA's figure: five tensors of
+    320 kB around its `Cholesky` stay whole, and the warning named one)."""
+
+    @staticmethod
+    def refused(op, size, code=Code.REFUSED_OP):
+        return Record("splitter", "skipped", (op,), f"cannot split `{op}` ({size:,} B): `Cholesky` couples every "
+                      "entry of its matrix (axis 0)", bytes_before=size, code=code)
+
+    def test_the_others_are_counted_and_named_largest_first(self):
+        worst = self.refused("MatMul", 320_000)
+        records = [worst, self.refused("Exp", 320_000), self.refused("Square", 300_000, Code.FITS_WHOLE),
+                   self.refused("add_4", 200_000), self.refused("MatMul", 320_000),     # (the same op again)
+                   Record("splitter", "rewritten", ("Sum",), "a loop", 10**6, 10**5, code=Code.SPLIT)]
+        assert cause(worst, records) == (
+            "the splitter cannot split `MatMul` (320,000 B): `Cholesky` couples every entry of its matrix (axis 0); "
+            "nor can it split 2 other large tensors (`Exp`, `add_4`): 0.8 MB with that one")
+
+    def test_alone_it_is_said_as_before_and_many_are_counted_past_the_named(self):
+        worst = self.refused("MatMul", 320_000)
+        assert cause(worst, [worst]) == cause(worst) == ("the splitter cannot split `MatMul` (320,000 B): `Cholesky` "
+                                                         "couples every entry of its matrix (axis 0)")
+        many = [worst] + [self.refused(f"op_{i}", 100_000) for i in range(6)]
+        assert cause(worst, many).endswith("nor can it split 6 other large tensors (`op_0`, `op_1`, `op_2`, "
+                                           "`op_3` and 2 more): 0.9 MB with that one")
