@@ -110,7 +110,9 @@ two "Total bytes used" is what a row really costs.  Where the loop is all the pr
 gradients inside, no other large tensor, the rest a few per cent of the limit: a kNN search, a
 kernel sum), the chunk is taken up to ``Tuning.whole_program_margin`` of the limit and checked by
 compiling at that chunk, as a person sizing the loop by hand would; elsewhere the measured bytes a
-row keep a margin for what XLA packs around the loop.
+row keep a margin for what XLA packs around the loop.  A loop whose chunk is scaled to the run's
+sizes (:mod:`.scaling`) is compiled alone at the nominal sizes, and its bytes a row there are
+scaled as the model's were; one computing its gradients as it goes over such sizes keeps the model's.
 
 Attention in tiles: an attention split along its keys whose query rows pass through the region's
 ops unchanged runs over query blocks x key blocks, each block folding only the key blocks that hold

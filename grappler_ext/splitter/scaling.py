@@ -22,7 +22,9 @@ results:
 
     chunk = min(the above, floor((budget - fixed * growth_fixed) / (per_row * growth)))
 
-so that a longer run than planned shrinks the loop for its larger inputs too.
+so that a longer run than planned shrinks the loop for its larger inputs too.  A row's bytes there
+are XLA's, the loop compiled alone at the nominal sizes (:func:`.policy.calibrated`), where that
+could be measured; else the memory model's count.
 
 The same sizes give the loop's accumulators their shapes (``[B, E]`` for a sum over the length):
 :meth:`Scaling.dims`.
