@@ -71,7 +71,6 @@ def cause(record, records=()) -> str:
             f"{megabytes(total)} with that one")
 
 
-
 class Code(str, enum.Enum):
     """Why a splitter record was written.  A ``str`` enum: equal to its value after a JSON round trip."""
 
