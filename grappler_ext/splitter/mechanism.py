@@ -7,11 +7,14 @@ module makes each root's partial result of one slice and the combiner that folds
 (:func:`combined`), builds the loop with its gradient (:func:`build`; an attention's in 2-D tiles where
 masked tiles can be skipped, :func:`tiles`), installs it in place of the
 roots (:func:`install`: readers rewired, recorded gradients retargeted, static shape readers folded;
-:func:`rebuild_gradients`), and builds the loop alone as a function for XLA to measure (:func:`loop_figure`).
+:func:`rebuild_gradients`), and builds the loop alone as a function for XLA to measure (:func:`loop_figure`; with its
+gradient loop, :func:`gradient_figure`).
 Every fallible step runs before the first rewiring.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
@@ -28,7 +31,7 @@ from grappler_ext.splitter.loop import fusable as loop_fusable
 from grappler_ext.splitter.tiling import TilePlan
 
 __all__ = ["combined", "fusable", "tiles", "untiled", "computed_share", "build", "install", "rebuild_gradients",
-           "variables_as_values", "written_variables", "loop_figure", "call_seed", "new_loops"]
+           "variables_as_values", "written_variables", "loop_figure", "gradient_figure", "call_seed", "new_loops"]
 
 
 def call_seed() -> tf.Tensor:
@@ -374,6 +377,48 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     finally:
         if scaled is not None:
             scaled.plan = held
+
+
+def gradient_figure(measurer: Measurer, options, region: Region, chunk: int, asks=None) -> int:
+    """XLA's "Total bytes used" for the region's loop and its gradient loop alone, both in chunks of
+    ``chunk``: the loop built as a function of the region's inputs and of upstream gradients for its
+    floating results, returning the gradients of the inputs ``asks`` says are asked for (all floating
+    ones without it), compiled by ``measurer`` (never run).  A gradient step recomputes its slice and
+    holds that slice's gradients beside it, more than a forward step at the same chunk: the program's
+    figure grows with the chunk by what a row costs the gradient loop."""
+    plan = ChunkPlan(region.length, chunk, 0)
+    combiner, specs, differentiable, counts = combined(options, region, plan)
+    external = external_inputs(region)
+    starts = [0, *itertools.accumulate(counts)]         # (each root's outputs, then its combiner's hidden ones)
+    visible = [i for o, start in zip(options, starts) for i in range(start, start + len(o.root.outputs))]
+    results = [t for o in options for t in o.root.outputs]
+    floating = [k for k, t in zip(visible, results) if t.dtype.is_floating]
+    wanted = [t.dtype.is_floating and (asks is None or asks(t)) for t in external]
+    if not differentiable or not floating or not any(wanted):
+        raise ValueError("the loop has no gradient to measure")
+    tensors = external + [t for t in results if t.dtype.is_floating]
+    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in tensors):
+        raise ValueError("an input or result without a static shape or of a handle type")
+    n = len(external)
+
+    def alone(*args):
+        values, upstream = list(args[:n]), list(args[n:])
+        with shapes.sizes_as_constants():
+            outputs = build_split(region, chunk, combiner, specs, backward_chunk=chunk, values=values)
+            grads = tf.gradients([outputs[k] for k in floating], [v for v, w in zip(values, wanted) if w],
+                                 grad_ys=upstream)
+        return [g for g in grads if g is not None]
+
+    fn = tf.function(alone, jit_compile=True, autograph=False)
+    held = region.scaled.plan if region.scaled is not None else None     # (as in loop_figure)
+    try:
+        if region.scaled is not None:
+            region.scaled.plan = None
+        with tf.init_scope():
+            return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in tensors])
+    finally:
+        if region.scaled is not None:
+            region.scaled.plan = held
 
 
 def new_loops(graph, existing: set) -> list[tf.Operation]:

@@ -255,6 +255,8 @@ class LoopPlan:
       has_gradient_loop: whether a gradient loop of its own was built (gradients inside the function).
       sizing, sizing_detail, bytes_per_row, loop_figure_bytes: where the chunk came from (see
         :class:`Sizing`); XLA's bytes a row and its figure for the loop at this chunk, when measured.
+      backward_bytes_per_row: XLA's bytes a row of the gradient loop, where they sized its chunk
+        (the loop and its gradient compiled alone at two chunks: :func:`.policy.backward_sized`).
       best_effort: set when the limit cannot be met (see :class:`BestEffort`).
       rebuilt_gradients: gradients taken inside the function rebuilt through the loop.
       prologue_ops: ops before the loop that it computes first, once its sliced inputs exist (and
@@ -284,6 +286,7 @@ class LoopPlan:
     sizing_detail: str = ""
     bytes_per_row: float | None = None
     loop_figure_bytes: int | None = None
+    backward_bytes_per_row: float | None = None
     best_effort: BestEffort | None = None
     rebuilt_gradients: int = 0
     prologue_ops: tuple[str, ...] = ()
@@ -328,10 +331,17 @@ class LoopPlan:
             text = f"{self.describe()}: {self.steps} x {self.chunk}" + (f" + {self.tail}" if self.tail else "")
             text += f" of {self.length}"
         text += self._sizing_text()
-        if self.has_gradient_loop and self.backward_chunk < self.chunk:
+        measured = self.backward_bytes_per_row is not None
+        if (self.has_gradient_loop or measured) and self.backward_chunk < self.chunk:
             text += (f"; its gradient in chunks of {self.backward_chunk}" if self.dynamic else
                      f"; its gradient {self.backward_steps} x {self.backward_chunk}" + (
                          f" + {self.backward_tail}" if self.backward_tail else ""))
+        elif measured:
+            text += "; its gradient in the same chunks"
+        if measured:
+            there = " at the nominal sizes" if self.dynamic else ""
+            text += (f" (by XLA's figure for the loop and its gradient alone{there}: "
+                     f"{self.backward_bytes_per_row:,.0f} B a row)")
         if self.fused:
             text += "; its gradients computed in the same loop"
         if self.written_into:

@@ -134,13 +134,16 @@ def largest_beside(beside: Beside, at: list[int], grown: Grown):
 
 
 def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
-         measured: float | None = None, large_joins: bool = False) -> Planned | Why:
+         measured: float | None = None, large_joins: bool = False,
+         measured_backward: float | None = None) -> Planned | Why:
     """The forward plan, the backward's chunk, a best effort and the bytes a unit of the split axis
     costs in the forward and the backward loop's body; or why no split helps.
 
     ``measured``: the bytes a unit costs the forward loop by XLA's figure (see :func:`calibrated`),
     used instead of the memory model's count.  ``large_joins``: a joined result over half the limit
-    is planned (a best effort then) instead of refused -- for programs whose limit cannot be met."""
+    is planned (a best effort then) instead of refused -- for programs whose limit cannot be met.
+    ``measured_backward``: the bytes a unit costs the gradient loop by XLA's figure (see
+    :func:`backward_sized`), instead of ``Tuning.backward_cost_factor`` times the forward's count."""
     est, info = beside.est, beside.info
     region = grown.region
     length = region.length
@@ -206,7 +209,8 @@ def plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning,
     # schedule: memory_model.bytes_for_chunk on the original program's schedule under-predicted
     # the loop's body by up to 2x in measurements -- logsumexp, attention -- and safety comes first).
     per_unit /= tuning.safety_margin
-    backward_unit = per_unit * tuning.backward_cost_factor
+    backward_unit = (per_unit * tuning.backward_cost_factor if measured_backward is None
+                     else measured_backward / tuning.calibration_margin)
     if measured is not None:
         per_unit = measured / tuning.calibration_margin
     limit = budget
@@ -448,6 +452,43 @@ def calibrated(options, grown: Grown, chunks: ChunkPlan, beside: Beside, budget:
         # XLA's figure says the region fits whole, while the program does not.
         new = split_anyway(new, again.per_unit)
     return Sized(new, again.per_unit, Sizing.NOMINAL_FIGURE if scaled else Sizing.LOOP_FIGURE, bytes_per_row=per_row)
+
+
+def backward_sized(options, grown: Grown, chunks: ChunkPlan, backward_chunk: int, beside: Beside, budget: int,
+                   tuning: Tuning, gradient_figure: Callable[[int], int],
+                   per_row: float | None = None) -> tuple[int, float, float] | None:
+    """The gradient loop's chunk from XLA's figures for the loop and its gradient alone
+    (``gradient_figure(chunk)``, both loops in chunks of ``chunk``, never run) at ``backward_chunk`` and
+    twice it, its bytes a row there and the unit planned with (the row over ``Tuning.calibration_margin``);
+    ``None`` where the model's chunk stands: a loop of few
+    gradient steps (``Tuning.backward_sizing_steps``), or whose gradient chunk is over half the
+    forward's ``chunks`` (little to gain for two compiles), or where the figures do not say.
+
+    The model plans a gradient step at ``Tuning.backward_cost_factor`` times its count of a forward
+    slice, an upper bound that XLA's fusion of the recomputed slice and its gradient rarely reaches (a
+    mixed-precision Keras 3 attention classifier's step on padded batches: 172 kB a row by XLA, about
+    six times less than the model's): a gradient loop of many small steps, each rewriting the
+    gradients of what the loop reads whole.  Here the row is XLA's, the rest of the plan the model's
+    (:func:`plan` with ``measured_backward``; ``per_row``: the forward's row by XLA's figure, where it
+    sized the forward), as a forward loop is calibrated (:func:`calibrated`).  A row XLA puts above
+    the model's count gives a smaller chunk: the figure is believed both ways.
+    """
+    length = chunks.length
+    if -(-length // backward_chunk) < tuning.backward_sizing_steps or 2 * backward_chunk > chunks.chunk:
+        return None
+    first, second = backward_chunk, 2 * backward_chunk
+    try:
+        low, high = gradient_figure(first), gradient_figure(second)
+    except Exception:  # noqa: BLE001 - the model's chunk stands
+        return None
+    row = (high - low) / (second - first)
+    if row <= 0:
+        return None
+    again = plan(options, grown, beside, budget, tuning, measured=per_row, measured_backward=row)
+    if isinstance(again, Why) or again.best_effort is not None:
+        return None
+    sized = min(again.backward_chunk, chunks.chunk)
+    return (sized, row, again.backward_unit) if sized != backward_chunk else None
 
 
 def nested_plan(options, grown: Grown, beside: Beside, budget: int, tuning: Tuning, unnested: Planned,

@@ -130,6 +130,18 @@ class RegionSearch:
             # computing its gradients as it goes holds none of its own, and is planned with its gradients.)
             chunks = policy.capped(chunks, per_unit, self.budget, t)
             backward_chunk = min(backward_chunk, chunks.chunk)
+        backward_row = None
+        if (self.backward and not fusable and not best.remat and run.calibrator is not None and chunks.steps >= 2
+                and mechanism.tiles(options, grown.region, chunks, backward_chunk) is None):
+            # Its gradient loop by XLA's figures for the loop and its gradient alone, not the model's
+            # multiple of a forward slice.
+            resized = policy.backward_sized(
+                options, grown, chunks, backward_chunk, beside, self.budget, t,
+                lambda c: mechanism.gradient_figure(run.calibrator, options, grown.region, c, asks=self.asks),
+                per_row=sized.bytes_per_row)
+            if resized is not None:
+                backward_chunk, backward_row, backward_unit = resized
+                best = best._replace(planned=dataclasses.replace(best.planned, backward_unit=backward_unit))
         draws = self.reseed is not None and bool(_drawn_in(grown.region))
         fused = chunks.chunk if fusable else None                       # the forward's chunk
         if counted:
@@ -150,15 +162,18 @@ class RegionSearch:
         # model's count gave its chunk, not XLA's figures for it alone)
         unit = planned.fused_unit if counted else None
         row = unit if unit and by_figure is None else per_unit
-        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row, unit)
+        return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row, unit,
+                          backward_row)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
-              row: float | None = None, fused_unit: float | None = None) -> set | None:
+              row: float | None = None, fused_unit: float | None = None,
+              backward_row: float | None = None) -> set | None:
         """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
         (``fused``: the forward's own chunk, where the loop computes the gradients as it goes; ``row``:
         the bytes a row of a loop whose chunk is scaled to the run's sizes costs, if not ``per_unit``;
         ``fused_unit``: a fused loop's bytes a row where its gradients' count planned it, else the
-        backward loop's)."""
+        backward loop's; ``backward_row``: the gradient loop's bytes a row by XLA's figure, where that
+        sized its chunk)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
         roots = [o.root for o in options]
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
@@ -180,7 +195,9 @@ class RegionSearch:
                              code=Code.BUILD_FAILED)
             return None
         mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
-        whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + roots)
+        # (the prologue too: the region as written reads its ops' outputs, whose gradient would otherwise be
+        # a zero XLA cannot fold through their products, computed where the loop runs)
+        whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + list(grown.region.prologue) + roots)
         forward_loops = mechanism.new_loops(graph, existing)
         run.split_sizes |= scaling.loop_sizes(grown.region, run.growth is not None)
         try:
@@ -216,7 +233,8 @@ class RegionSearch:
         plan = LoopPlan(tuple(o.split for o in options), chunks.length, chunks.chunk, backward_chunk,
                         chunks.predicted_bytes, has_gradient_loop=gradient_loop, sizing=sized.sizing,
                         sizing_detail=sized.detail, bytes_per_row=sized.bytes_per_row,
-                        loop_figure_bytes=sized.loop_figure_bytes, best_effort=best.planned.best_effort,
+                        loop_figure_bytes=sized.loop_figure_bytes, backward_bytes_per_row=backward_row,
+                        best_effort=best.planned.best_effort,
                         rebuilt_gradients=rebuilt, prologue_ops=tuple(op.name for op in grown.region.prologue),
                         dynamic=grown.region.dynamic, fused=fused is not None, tiles=tiled and tiled[0].count(tiled[1]),
                         written_into=mechanism.written_variables(graph, grown.region),

@@ -196,6 +196,60 @@ class TestCalibrated:
         assert taken.sizing == Sizing.LOOP_FIGURE
 
 
+class TestBackwardSized:
+    """XLA's figure for the loop and its gradient alone, faked as a line in the gradient's chunk."""
+
+    def sized(self, region, gradient_figure, limit=8 * 10**6, chunks=None, backward_chunk=None):
+        options, grown, beside = region
+        planned = policy.plan(options, grown, beside, limit, DEFAULT_TUNING)
+        chunks = chunks or planned.chunks
+        backward_chunk = backward_chunk or planned.backward_chunk
+        return planned, policy.backward_sized(options, grown, chunks, backward_chunk, beside, limit, DEFAULT_TUNING,
+                                              gradient_figure)
+
+    def test_the_gradient_chunk_comes_from_the_gradient_loops_row_at_two_chunks(self, region):
+        """The model plans a gradient step at ``backward_cost_factor`` times its forward count; XLA's row
+        of the loop and its gradient here is the forward's count: a larger chunk, at most the forward's."""
+        measured = []
+        options, grown, beside = region
+        model = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING)
+        row = model.per_unit * DEFAULT_TUNING.safety_margin
+        planned, sized = self.sized(region, lambda c: measured.append(c) or 10**5 + int(row * c))
+        assert sized is not None, planned
+        chunk, got_row, unit = sized
+        assert measured == [planned.backward_chunk, 2 * planned.backward_chunk]
+        assert got_row == pytest.approx(row, rel=1e-3)
+        assert unit == pytest.approx(got_row / DEFAULT_TUNING.calibration_margin)
+        assert planned.backward_chunk < chunk <= planned.chunks.chunk
+        again = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING, measured_backward=got_row)
+        assert chunk == min(again.backward_chunk, planned.chunks.chunk) and again.backward_unit == unit
+
+    def test_a_row_above_the_models_gives_a_smaller_chunk(self, region):
+        options, grown, beside = region
+        model = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING)
+        planned, sized = self.sized(region, lambda c: 10**5 + int(3 * model.backward_unit * c))
+        assert sized is not None and sized[0] < planned.backward_chunk
+
+    def test_few_gradient_steps_or_a_chunk_near_the_forwards_are_not_measured(self, region):
+        measured = []
+
+        def figure(c):
+            measured.append(c)
+            return 10**5 + 100 * c
+
+        _, few = self.sized(region, figure, chunks=ChunkPlan(N, 1500, 10**6), backward_chunk=600)   # 5 steps
+        assert few is None
+        _, near = self.sized(region, figure, chunks=ChunkPlan(N, 100, 10**6), backward_chunk=51)   # 59 steps
+        assert near is None and measured == []
+
+    def test_a_failed_or_flat_figure_keeps_the_models_chunk(self, region):
+        def fail(c):
+            raise MeasurementError("no report")
+
+        assert self.sized(region, fail)[1] is None
+        assert self.sized(region, lambda c: 10**6)[1] is None
+
+
 def test_capped_split_anyway_at_least_and_starved():
     plan = ChunkPlan(4096, 2048, 10**9)
     assert policy.capped(plan, 374_000, 2 * 10**9, Tuning(slice_share=0.25)).chunk == 1024
