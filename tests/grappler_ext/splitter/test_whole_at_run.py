@@ -10,6 +10,7 @@ the loops split as planned, within the limit.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import numpy as np
@@ -21,7 +22,16 @@ from grappler_ext import memory_model, shapes
 from grappler_ext.splitter import Tuning, nominal, whole_at_run
 from grappler_ext.splitter.outcome import Code
 from grappler_ext.splitter.scaling import Row
-from tests.grappler_ext.splitter.test_dynamic import PADDED, _batch, _close, _padded, attention_loss, attention_step
+from tests.fakes import always_split
+from tests.grappler_ext.splitter.test_dynamic import (
+    PADDED,
+    _batch,
+    _close,
+    _padded,
+    _records,
+    attention_loss,
+    attention_step,
+)
 from tf_memsafe import xla_flags
 
 
@@ -241,3 +251,50 @@ def test_a_layer_another_loop_reads_keeps_that_loops_gradient_where_the_program_
         assert (max(trip_counts(f, x), default=0) > 1) == (n == 512), (b, n, trip_counts(f, x))
         _close(f(x), naive(x), f"[{b}, {n}]")
     assert _footprint(f, tf.TensorSpec([4, 512, 16]), limit) <= limit
+
+
+def test_where_the_loop_runs_the_region_as_written_beside_it_costs_nothing():
+    """A Keras 3 ``MultiHeadAttention`` training step on padded batches, pooled into a dense head: its
+    loop along the sequence computes the keys' and values' projections in its prologue.  The region as
+    written, kept beside the loop for the runs where the program fits, read those projections' outputs
+    ungated: where the loop ran, their gradient was a zero XLA cannot fold through the projections'
+    products, computed all the same (at the nominal sizes 7.4 MB against the 6.0 MB the splitter had
+    checked, silently: a run there is judged by that check).  Gated with the region, XLA's figure where
+    the loop runs is the loop's alone (whole_at_run off), at the nominal sizes and beyond them."""
+    from tests.integration.keras_fit import keras_of
+
+    keras = keras_of("keras3")
+    keras.utils.set_random_seed(0)
+    d = 64
+    layer, head = keras.layers.MultiHeadAttention(4, d // 4), keras.layers.Dense(8)
+
+    def tokens(b, n):
+        return tf.constant(np.random.default_rng(b * 1000 + n).standard_normal((b, n, d)), tf.float32)
+
+    layer(tokens(2, 8), tokens(2, 8))
+    head(tf.zeros([2, d]))
+    variables = layer.trainable_variables + head.trainable_variables
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.tanh(head(tf.reduce_mean(layer(x, x), axis=1))))
+        return [loss] + tape.gradient(loss, [x] + variables)
+
+    limit = tf_memsafe.memory_footprint(tf.function(step), tokens(4, 512), rewrite=False) // 6
+    figures = {}
+    for name, pipeline in (("given way", contextlib.nullcontext), ("loop alone", always_split)):
+        tf_memsafe.enable(limit, strict=True)
+        try:
+            with pipeline():
+                f = tf.function(step, jit_compile=True, input_signature=[tf.TensorSpec([None, None, d])])
+                f.get_concrete_function()
+                records = _records(step.__name__)
+                planned = next(r.plan for r in records if r.code == Code.DYNAMIC_SHAPES and r.plan is not None)
+                loops = [r.plan for r in records if r.code == Code.SPLIT]
+                assert loops and loops[0].prologue_ops, [r.reason for r in records]
+                figures[name] = [tf_memsafe.memory_footprint(f, tf.TensorSpec(s))
+                                 for s in (planned.inputs[0][1], (4, 512, d))]
+        finally:
+            tf_memsafe.disable()
+    assert figures["given way"] == figures["loop alone"] and max(figures["given way"]) <= limit, (figures, limit)
