@@ -583,6 +583,53 @@ class TestChunksFromXlasFigure:
         assert np.mean(got.numpy() == expected.numpy()) > 0.99
 
 
+_RNG = np.random.RandomState(1)
+_WQ, _WK, _WV = (tf.constant(_RNG.randn(16, 4, 16).astype(np.float32) / 4) for _ in range(3))
+_WO = tf.constant(_RNG.randn(4, 16, 16).astype(np.float32) / 8)
+
+
+def pooled_attention_step(x):
+    """A four-head attention over [4, 512, 16] pooled into a head, with its gradient: the loop along the
+    queries ends at the pooling (its result [4, 16] has a gradient of its own: a loop of its own computes
+    the slices' gradients after the forward), its keys and values in its prologue."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        q, k, v = (tf.einsum("ble,ehd->blhd", x, w) for w in (_WQ, _WK, _WV))
+        p = tf.nn.softmax(tf.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, -1)
+        y = tf.einsum("bqhd,hde->bqe", tf.einsum("bhqk,bkhd->bqhd", p, v), _WO)
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(tf.reduce_mean(tf.sin(y), axis=1), _WO[0])))
+    return loss, tape.gradient(loss, x)
+
+
+def test_a_gradient_loop_of_many_steps_is_sized_by_xlas_figure_for_it():
+    """The model plans a gradient step at ``backward_cost_factor`` (5) times its count of a forward slice:
+    256 steps of 2 rows here, each rewriting the keys' and values' gradients.  XLA's figures for the
+    loop and its gradient alone at two chunks give about 67 kB a row, the forward's: the gradient in
+    the forward's chunks of 8, within the limit, equal to the unsplit step."""
+    x = tf.constant(_RNG.randn(4, 512, 16).astype(np.float32))
+    naive = tf.function(pooled_attention_step, jit_compile=True)
+    limit = tf_memsafe.memory_footprint(naive, x, rewrite=False) // 8
+    plans, figures = {}, {}
+    for name, tuning in (("figure", DEFAULT_TUNING), ("model", Tuning(backward_sizing_steps=10**9))):
+        tf_memsafe.enable(limit, strict=True)
+        mark = hook.report_mark()
+        try:
+            with hook.use_pipeline(hook.product_pipeline(tuning)):
+                f = tf.function(pooled_attention_step, jit_compile=True)
+                got = f(x)
+                figures[name] = tf_memsafe.memory_footprint(f, x)
+        finally:
+            tf_memsafe.disable()
+        (plans[name],) = [r.plan for rep in hook.reports_since(mark)[:1] for r in rep.records if r.code == Code.SPLIT]
+        for g, w in zip(got, naive(x)):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(w))))
+    sized, model = plans["figure"], plans["model"]
+    assert model.backward_bytes_per_row is None and model.backward_steps >= 4 * sized.backward_steps, model.render()
+    assert sized.backward_bytes_per_row > 0 and sized.backward_chunk == sized.chunk, sized.render()
+    assert "by XLA's figure for the loop and its gradient alone" in sized.render()
+    assert figures["figure"] <= limit, (figures, limit)
+
+
 class TestProgramsCheckedWithXla:
     """Attention over 1000 queries: the memory model counts 8.8 MB, between Tuning.check_from and
     model_trust of 16 MB, so the program is compiled whole (never run) before it is left alone."""
