@@ -63,9 +63,11 @@ class Tuning:
       backward_sizing_steps: a gradient loop of at least this many steps, its chunk at most half its
         forward's, is sized by XLA's figures for the loop and its gradient alone at two chunks
         (:func:`~.policy.backward_sized`) instead of ``backward_cost_factor`` times the model's count of
-        the forward (a mixed-precision Keras 3 text classifier's step on padded batches: 172 kB a row by
-        XLA against about 1 MB by the model; its gradient in 153 steps of 6 rows took 3.2x the naive
-        step).
+        the forward: each step rewrites the gradients of what the loop reads whole (a mixed-precision
+        Keras 3 text classifier's step on padded batches, its gradient in 153 steps of 6 rows: 3.2x the
+        naive step; in the forward's 27 rows, XLA's 137 kB a row, 1.2x).  Fewer steps gain little for
+        two compiles and a fuller limit (``experiments/padded``'s tf_keras step, 25 steps of 26 rows:
+        in 11 of 57 it was 13 % slower, 5 MB larger and its first call 3 s longer).
       fused_starved_steps: a loop computing its gradients as it goes (``LoopPlan.fused``) is starved
         from this many steps, whatever gave it its chunk: the model's backward plan, smaller than its
         forward's (an attention's training step at L = 4000 under 1/10 of its footprint: 200 steps of 20
@@ -149,7 +151,7 @@ class Tuning:
     min_tensor_fraction: float = 0.05
     backward_cost_factor: float = 5.0
     starved_steps: int = 256
-    backward_sizing_steps: int = 8
+    backward_sizing_steps: int = 64
     fused_starved_steps: int = 32
     growth_aim: float = 0.95
     best_effort_fraction: float = 0.1

@@ -197,9 +197,13 @@ class TestCalibrated:
 
 
 class TestBackwardSized:
-    """XLA's figure for the loop and its gradient alone, faked as a line in the gradient's chunk."""
+    """XLA's figure for the loop and its gradient alone, faked as a line in the gradient's chunk; under
+    4 MB, the model's gradient loop has over ``Tuning.backward_sizing_steps`` steps."""
 
-    def sized(self, region, gradient_figure, limit=8 * 10**6, chunks=None, backward_chunk=None):
+    limit = 4 * 10**6
+
+    def sized(self, region, gradient_figure, chunks=None, backward_chunk=None):
+        limit = self.limit
         options, grown, beside = region
         planned = policy.plan(options, grown, beside, limit, DEFAULT_TUNING)
         chunks = chunks or planned.chunks
@@ -212,7 +216,7 @@ class TestBackwardSized:
         of the loop and its gradient here is the forward's count: a larger chunk, at most the forward's."""
         measured = []
         options, grown, beside = region
-        model = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING)
+        model = policy.plan(options, grown, beside, self.limit, DEFAULT_TUNING)
         row = model.per_unit * DEFAULT_TUNING.safety_margin
         planned, sized = self.sized(region, lambda c: measured.append(c) or 10**5 + int(row * c))
         assert sized is not None, planned
@@ -221,12 +225,12 @@ class TestBackwardSized:
         assert got_row == pytest.approx(row, rel=1e-3)
         assert unit == pytest.approx(got_row / DEFAULT_TUNING.calibration_margin)
         assert planned.backward_chunk < chunk <= planned.chunks.chunk
-        again = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING, measured_backward=got_row)
+        again = policy.plan(options, grown, beside, self.limit, DEFAULT_TUNING, measured_backward=got_row)
         assert chunk == min(again.backward_chunk, planned.chunks.chunk) and again.backward_unit == unit
 
     def test_a_row_above_the_models_gives_a_smaller_chunk(self, region):
         options, grown, beside = region
-        model = policy.plan(options, grown, beside, 8 * 10**6, DEFAULT_TUNING)
+        model = policy.plan(options, grown, beside, self.limit, DEFAULT_TUNING)
         planned, sized = self.sized(region, lambda c: 10**5 + int(3 * model.backward_unit * c))
         assert sized is not None and sized[0] < planned.backward_chunk
 
@@ -239,7 +243,7 @@ class TestBackwardSized:
 
         _, few = self.sized(region, figure, chunks=ChunkPlan(N, 1500, 10**6), backward_chunk=600)   # 5 steps
         assert few is None
-        _, near = self.sized(region, figure, chunks=ChunkPlan(N, 100, 10**6), backward_chunk=51)   # 59 steps
+        _, near = self.sized(region, figure, chunks=ChunkPlan(N, 70, 10**6), backward_chunk=40)   # 75 steps
         assert near is None and measured == []
 
     def test_a_failed_or_flat_figure_keeps_the_models_chunk(self, region):
