@@ -460,15 +460,15 @@ def backward_sized(options, grown: Grown, chunks: ChunkPlan, backward_chunk: int
     """The gradient loop's chunk from XLA's figures for the loop and its gradient alone
     (``gradient_figure(chunk)``, both loops in chunks of ``chunk``, never run) at ``backward_chunk`` and
     twice it, its bytes a row there and the unit planned with (the row over ``Tuning.calibration_margin``);
-    ``None`` where the model's chunk stands: a loop of few
-    gradient steps (``Tuning.backward_sizing_steps``), or whose gradient chunk is over half the
-    forward's ``chunks`` (little to gain for two compiles), or where the figures do not say.
+    ``None`` where the model's chunk stands: a loop of fewer gradient steps than
+    ``Tuning.backward_sizing_steps``, or whose gradient chunk is over half the forward's ``chunks``
+    (little to gain for two compiles), or where the figures do not say.
 
     The model plans a gradient step at ``Tuning.backward_cost_factor`` times its count of a forward
     slice, an upper bound that XLA's fusion of the recomputed slice and its gradient rarely reaches (a
-    mixed-precision Keras 3 attention classifier's step on padded batches: 172 kB a row by XLA, about
-    six times less than the model's): a gradient loop of many small steps, each rewriting the
-    gradients of what the loop reads whole.  Here the row is XLA's, the rest of the plan the model's
+    mixed-precision Keras 3 attention classifier's step on padded batches: 137 kB a row by XLA, about
+    a sixth of the model's): a gradient loop of many small steps, each rewriting the gradients of what
+    the loop reads whole.  Here the row is XLA's, the rest of the plan the model's
     (:func:`plan` with ``measured_backward``; ``per_row``: the forward's row by XLA's figure, where it
     sized the forward), as a forward loop is calibrated (:func:`calibrated`).  A row XLA puts above
     the model's count gives a smaller chunk: the figure is believed both ways.
