@@ -467,7 +467,7 @@ def backward_sized(options, grown: Grown, chunks: ChunkPlan, backward_chunk: int
     The model plans a gradient step at ``Tuning.backward_cost_factor`` times its count of a forward
     slice, an upper bound that XLA's fusion of the recomputed slice and its gradient rarely reaches (a
     mixed-precision Keras 3 attention classifier's step on padded batches: 137 kB a row by XLA, about
-    a sixth of the model's): a gradient loop of many small steps, each rewriting the gradients of what
+    a tenth of the model's 1.44 MB): a gradient loop of many small steps, each rewriting the gradients of what
     the loop reads whole.  Here the row is XLA's, the rest of the plan the model's
     (:func:`plan` with ``measured_backward``; ``per_row``: the forward's row by XLA's figure, where it
     sized the forward), as a forward loop is calibrated (:func:`calibrated`).  A row XLA puts above
