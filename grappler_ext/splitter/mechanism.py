@@ -14,8 +14,6 @@ Every fallible step runs before the first rewiring.
 
 from __future__ import annotations
 
-import itertools
-
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
@@ -254,6 +252,12 @@ def build(options, region: Region, plan: ChunkPlan, backward_chunk: int, fused: 
                               backward_chunk=backward_chunk, fused=target,
                               values=whole_at_run.loop_values(dispatch, external),
                               asked=None if asks is None else [asks(t) for t in external])
+    return _visible(options, counts, outputs)
+
+
+def _visible(options, counts, outputs: list) -> list:
+    """The roots' own outputs among the loop's ``outputs`` (each root's, then its combiner's hidden ones:
+    ``counts`` per root, :func:`combined`)."""
     visible, i = [], 0
     for o, n in zip(options, counts):
         visible += outputs[i:i + len(o.root.outputs)]
@@ -359,24 +363,12 @@ def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: 
     external, forward = (fused_program(region, plan.chunk, combiner, specs,
                                        _per_partial(gradient_free(options), combiner, specs), asked) if fused
                          else forward_program(region, plan.chunk, combiner, specs))
-    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in external):
-        raise ValueError("an input without a static shape or of a handle type")
 
     def alone(*values):
         with shapes.sizes_as_constants():
             return forward(*values)
 
-    fn = tf.function(alone, jit_compile=True, autograph=False)
-    # (a scaled loop's room, from a plan built before, would cap the chunk: ``chunk`` is measured)
-    held = scaled.plan if scaled is not None else None
-    try:
-        if scaled is not None:
-            scaled.plan = None
-        with tf.init_scope():
-            return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in external])
-    finally:
-        if scaled is not None:
-            scaled.plan = held
+    return _measured_alone(measurer, region, alone, external)
 
 
 def gradient_figure(measurer: Measurer, options, region: Region, chunk: int, asks=None) -> int:
@@ -389,36 +381,42 @@ def gradient_figure(measurer: Measurer, options, region: Region, chunk: int, ask
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, differentiable, counts = combined(options, region, plan)
     external = external_inputs(region)
-    starts = [0, *itertools.accumulate(counts)]         # (each root's outputs, then its combiner's hidden ones)
-    visible = [i for o, start in zip(options, starts) for i in range(start, start + len(o.root.outputs))]
-    results = [t for o in options for t in o.root.outputs]
-    floating = [k for k, t in zip(visible, results) if t.dtype.is_floating]
+    floating = [t.dtype.is_floating for o in options for t in o.root.outputs]
     wanted = [t.dtype.is_floating and (asks is None or asks(t)) for t in external]
-    if not differentiable or not floating or not any(wanted):
+    if not differentiable or not any(floating) or not any(wanted):
         raise ValueError("the loop has no gradient to measure")
-    tensors = external + [t for t in results if t.dtype.is_floating]
-    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in tensors):
-        raise ValueError("an input or result without a static shape or of a handle type")
+    results = [t for o in options for t in o.root.outputs if t.dtype.is_floating]
     n = len(external)
 
     def alone(*args):
         values, upstream = list(args[:n]), list(args[n:])
         with shapes.sizes_as_constants():
-            outputs = build_split(region, chunk, combiner, specs, backward_chunk=chunk, values=values)
-            grads = tf.gradients([outputs[k] for k in floating], [v for v, w in zip(values, wanted) if w],
-                                 grad_ys=upstream)
+            outputs = _visible(options, counts, build_split(region, chunk, combiner, specs, backward_chunk=chunk,
+                                                            values=values))
+            grads = tf.gradients([o for o, f in zip(outputs, floating) if f],
+                                 [v for v, w in zip(values, wanted) if w], grad_ys=upstream)
         return [g for g in grads if g is not None]
 
+    return _measured_alone(measurer, region, alone, external + results)
+
+
+def _measured_alone(measurer: Measurer, region: Region, alone, tensors) -> int:
+    """XLA's figure for ``alone`` (built from the region's tensors, read at the nominal sizes) compiled
+    for ``tensors``' shapes by ``measurer``, never run.  A scaled loop's room, from a plan built
+    before, would cap the chunk measured: it is set aside meanwhile."""
+    if any(not shapes.is_static(t) or t.dtype in (tf.resource, tf.variant) for t in tensors):
+        raise ValueError("an input or result without a static shape or of a handle type")
     fn = tf.function(alone, jit_compile=True, autograph=False)
-    held = region.scaled.plan if region.scaled is not None else None     # (as in loop_figure)
+    scaled = region.scaled
+    held = scaled.plan if scaled is not None else None
     try:
-        if region.scaled is not None:
-            region.scaled.plan = None
+        if scaled is not None:
+            scaled.plan = None
         with tf.init_scope():
             return measurer.function_bytes(fn, [shapes.concrete_spec(t) for t in tensors])
     finally:
-        if region.scaled is not None:
-            region.scaled.plan = held
+        if scaled is not None:
+            scaled.plan = held
 
 
 def new_loops(graph, existing: set) -> list[tf.Operation]:
