@@ -574,8 +574,9 @@ class _Run:
         self.hoped = {x.name for x in tensors} | {x.name for op in backward for x in op.outputs if large(x)}
         step_of = {step.op: i for i, step in enumerate(est.schedule)}
         region = search.RegionSearch(self, est, info, step_of, order_index, backward, limit, result)
+        only = None           # within the limit at nominal sizes: the tensors left that outgrow the inputs
         for tensor in tensors:
-            if tensor.op in done or tensor.op not in order_index:
+            if tensor.op in done or tensor.op not in order_index or (only is not None and tensor.name not in only):
                 continue
             removed = region.split_around(tensor)
             if self.within_as_split is not None or self.in_vain:    # XLA's figure: within, or best efforts in vain
@@ -589,13 +590,16 @@ class _Run:
             planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
             after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
             self.model_after = None if bound else after
-            if after <= limit * t.model_trust and trust_model:      # as a program left alone must
+            if after <= limit * t.model_trust and trust_model and only is None:      # as a program left alone must
                 # Checked with XLA like a program left alone (always where the model's count is only a
                 # lower bound); if over, the model's word is not taken again: every large tensor left is split.
                 figure = self.figure() if after >= t.check_from * limit or bound else Figure()
                 if not figure.over(self.limit):
-                    checked = figure.known
-                    break
+                    checked, only = figure.known, region.outgrowing(tensors, done, after)
+                    if not only:
+                        break
+                    checked = False                                  # (measured again once they are split)
+                    continue
                 trust_model = False
                 result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, but "
                                 f"XLA's figure is {figure.bytes:,} B, over the limit: the large tensors left are split "

@@ -14,7 +14,9 @@ At that size every tensor that grows with the dimension is large for the limit (
 loop), and what cannot be split (the inputs themselves, the outputs) is still a small part of it.
 A loop's chunk is planned there, and is right at every other size: a slice's cost does not depend on
 the length (only the split axis may be unknown), so the loops keep the limit wherever the rest of
-the program does.
+the program does.  The plan does not stop where the program fits at that size while a large tensor
+left whole grows faster than the inputs and outputs (:func:`outgrowing`): that tensor would outgrow
+the limit a little beyond it, so it gets a loop too.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from grappler_ext import memory_model, shapes
+from grappler_ext.splitter import scaling
 
 __all__ = ["Growth", "Nominal", "dynamic_inputs", "dimension", "needs_at", "io_bytes", "growth", "nominal_size",
-           "with_room_for_io", "growth_note", "planned_shapes"]
+           "with_room_for_io", "growth_note", "planned_shapes", "outgrowing", "describe_growth"]
 
 PROBE = 1024          # the second size the model is asked at (the first: 1)
 FAR = 8               # the third: 1 + FAR * PROBE (how fast it grows beyond)
@@ -135,6 +138,40 @@ def io_bytes(graph, size: int, at: Nominal | None = None) -> int:
     with (at.sizes(size) if at is not None else shapes.nominal(size)):
         return sum(shapes.nbytes(t) or 0 for t in list(dynamic_inputs(graph)) + list(getattr(graph, "outputs", []))
                    if t.dtype not in (tf.resource, tf.variant))
+
+
+def outgrowing(graph, tensors) -> list[tf.Tensor]:
+    """Of ``tensors``, under the table of the nominal sizes in effect, those whose elements grow with
+    the run-time sizes faster than each of the function's inputs and outputs does, in the power of
+    some size (a [B, H, L, L] attention's scores beside [B, L] tokens and [B, L, V] logits; a CLIP
+    loss' [B, B] logits beside [B, E] embeddings); ``[]`` without a table, and for tensors it does not
+    know.  A plan at the nominal sizes that leaves such a tensor whole holds only up to a little
+    beyond them: the loops' slices keep their bytes at every size (:mod:`.scaling`), and the rest of
+    the program grows as its inputs and outputs do, but such a tensor faster (a Transformer's padded
+    step planned at a length of 653, its last decoder layer's attention whole: 1.2 GB there, 5.1 GB at
+    2,048 against a limit of 2 GB)."""
+    state = shapes.symbolic()
+    if state is None:
+        return []
+    table = state[0]
+    bounds = [scaling.row_of(t, table) for t in list(dynamic_inputs(graph)) + list(getattr(graph, "outputs", []))
+              if t.dtype not in (tf.resource, tf.variant) and t.shape.rank is not None and t.name in table.names]
+
+    def bounded(row: scaling.Row) -> bool:
+        return any(row.unknown <= b.unknown and all(e <= dict(b.powers).get(k, 0) for k, e in row.powers)
+                   for b in bounds)
+
+    return [t for t in tensors if t.name in table.names and not bounded(scaling.row_of(t, table))]
+
+
+def describe_growth(t: tf.Tensor) -> str:
+    """How ``t``'s elements grow with the run-time sizes, for people: ``s0*s1^2`` (symbol ``k`` the
+    size of :meth:`grappler_ext.shapes.Symbols.sources`' ``k``), under the table in effect; ``""`` without one."""
+    state = shapes.symbolic()
+    if state is None or t.name not in state[0].names:
+        return ""
+    row = scaling.row_of(t, state[0])
+    return "*".join(f"s{k}" if e == 1 else f"s{k}^{e}" for k, e in row.powers) or "1"
 
 
 def growth(needs: Callable[[int], int | None]) -> Growth | None:

@@ -96,6 +96,7 @@ class Code(str, enum.Enum):
     GROWN = "grown"                          # starved gradient loops grown into the room XLA's figure left
     NOT_GROWN = "not_grown"                  # ... or not, and why
     SEARCH_STOPPED = "search_stopped"        # the run's time for planning again spent: the plan so far stands
+    OUTGROWS = "outgrows"                    # within at the nominal sizes, but tensors left outgrow the inputs: split
     NO_SMALLER = "no_smaller"                # over the limit as split, and no smaller than as written: undone
     # A large tensor not split (the "cannot split" records: :data:`CANNOT_SPLIT`).
     NO_ROOT = "no_root"                      # no op downstream reduces it or has a split rule

@@ -21,6 +21,8 @@ from grappler_ext.splitter import (
     mechanism,
     nested_loop,
     nesting,
+    nominal,
+    outcome,
     policy,
     replay,
     rules,
@@ -52,6 +54,7 @@ class RegionSearch:
         self.grown_redrawn: dict = {}              # ... and as grown with redraw_random on (see redrawable)
         self.root_options: dict = {}               # root -> its options, likewise
         self.pinned = None                         # (sharding.pinned_axes, with the graph as it was)
+        self.covering = False                      # splitting what outgrows the inputs (see outgrowing)
         # The program as written where the model has no count of it (an op without a rule, not a loop of
         # an earlier split's: that plan stands): XLA's figure if measured, else the model's lower bound
         # (the largest tensor with the inputs and outputs), for best efforts' gain.
@@ -321,9 +324,10 @@ class RegionSearch:
             held = analysis.held_for_backward(grown, self.info, self.backward,
                                               {o.root for o in options if o.kind == "concat"})
             remat = policy.remat_worthwhile(planned.chunks, held, self.budget, t)
-            if remat:
+            if remat or (self.covering and not planned.chunks.splits):
                 # The region fits whole, but the gradients inside the function hold its tensors from
-                # the forward to the backward: a loop recomputes them there instead.
+                # the forward to the backward: a loop recomputes them there instead.  (Or it outgrows
+                # the function's inputs: see outgrowing.)
                 chunks = policy.split_anyway(planned.chunks, planned.per_unit)
                 fused_chunk = planned.fused_chunk and min(planned.fused_chunk, chunks.chunk)
                 planned = dataclasses.replace(planned, chunks=chunks, fused_chunk=fused_chunk,
@@ -340,6 +344,26 @@ class RegionSearch:
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
                 self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
         return best
+
+    def outgrowing(self, tensors, done: set, after: int) -> frozenset:
+        """Where the program is planned at nominal sizes and is within the limit there: the names of
+        the large ``tensors`` not split yet that grow faster than the function's inputs and outputs
+        (:func:`.nominal.outgrowing`), noted; each is split too, its region split into two steps at
+        least where it fits whole (the loops' chunks are scaled to each run's sizes, so those slices
+        keep their bytes where the tensor outgrows the rest).  Empty for a program of static shapes."""
+        if self.run.growth is None:
+            return frozenset()
+        fast = nominal.outgrowing(self.run.graph, [x for x in tensors if x.op not in done and x.op in self.order_index])
+        if fast:
+            self.covering = True
+            loops = outcome.loops(len(self.result.rewritten))
+            self.result.skip([], f"within the limit at the nominal sizes with {loops} "
+                                 f"(the memory model counts {after:,} B), but {len(fast)} large "
+                                 f"tensor{'s' if len(fast) > 1 else ''} left grow{'' if len(fast) > 1 else 's'} faster "
+                                 f"with the run-time sizes than the function's inputs and outputs (`{fast[0].name}`, "
+                                 f"{self.info[fast[0].name].bytes:,} B, as {nominal.describe_growth(fast[0])}): split "
+                                 "too, so that the plan holds beyond the nominal sizes", code=Code.OUTGROWS)
+        return frozenset(x.name for x in fast)
 
     def widest(self, best: Candidate | None) -> Candidate | None:
         """``best``, or where it is a best effort, the plan found for the same tensor that takes in every

@@ -295,6 +295,62 @@ def test_a_padded_batch_attention_loop_is_sized_by_its_figure_at_the_nominal_siz
     _close(f(_batch(3, 700)), tf.function(attention_loss, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
 
 
+HEADS = tf.constant(rng.randn(16, E).astype(np.float32))
+
+
+def wide_then_narrow(x):
+    """Sixteen heads' [B, 16, L, L] attention, then one head's [B, L, L] on its result: with the first
+    split, the program is within the limit at the nominal sizes with the second whole."""
+    s = tf.einsum("bhqe,bke->bhqk", x[:, None] * HEADS[None, :, None], x) / 4.0
+    y = tf.einsum("bhqk,bke->bqe", tf.nn.softmax(s, -1), x) / 16.0
+    return attention_loss(y)
+
+
+def test_what_outgrows_the_inputs_is_split_though_the_plan_fits_at_the_nominal_sizes():
+    """A plan at nominal sizes holds at larger ones only where nothing it leaves whole grows faster
+    than the function's inputs and outputs: the loops' slices keep their bytes at every size, the
+    rest grows as [B, L, E] does.  Here the narrow attention's [B, L, L] scores, left whole once the
+    wide one was split (the program within the limit at [8, 260]), made the program 24 MB at
+    [8, 600] and 137 MB at [4, 2048] against a limit of 17 MB, with nothing said at the trace.  Now
+    they get a loop of their own (noted), and the one trace is within the limit at sizes where the
+    program as written is 22 to 128 times over it, equal to the unsplit loss."""
+    limit = tf_memsafe.memory_footprint(tf.function(wide_then_narrow), _batch(4, 512), rewrite=False) // 8
+    f, records = _padded(wide_then_narrow, limit, split_always=False)
+    (note,) = [r for r in records if r.code == Code.OUTGROWS]
+    assert "s0*s1^2" in note.reason and "within the limit at the nominal sizes with 1 loop" in note.reason, note.reason
+    assert len([r for r in records if r.code == Code.SPLIT]) == 2, [r.reason for r in records]
+    for b, n in ((8, 600), (4, 2048)):
+        tf_memsafe.enable(limit)
+        try:
+            after = tf_memsafe.memory_footprint(f, tf.TensorSpec([b, n, E]))
+        finally:
+            tf_memsafe.disable()
+        assert after <= limit, (b, n, after, limit)
+    _close(f(_batch(3, 700)), tf.function(wide_then_narrow, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
+
+
+def test_outgrowing_compares_growth_with_the_inputs_and_outputs():
+    """By the powers of the run-time sizes: [B, L, L] scores outgrow a [B, L, E] input, [B, L, 4E]
+    and [B, 16, L, E] do not (a larger coefficient is not faster growth); a function that returns
+    the scores bounds them; nothing without a table."""
+    def fn(x):
+        return tf.einsum("bqe,bke->bqk", x, x), tf.tile(x, [1, 1, 4]), x[:, None] * HEADS[None, :, None]
+
+    def tensors(g):
+        return [next(op.outputs[0] for op in g.get_operations() if op.type == kind)
+                for kind in ("Einsum", "Tile", "Mul")]
+
+    g = _graph_of(lambda x: sum(tf.reduce_sum(t) for t in fn(x)), tf.TensorSpec([None, None, E]))
+    table = shapes.symbols(g, nominal.dynamic_inputs(g))
+    assert nominal.outgrowing(g, tensors(g)) == []                 # (no table in effect)
+    with shapes.nominal(512, table, {0: 8}):
+        assert nominal.outgrowing(g, tensors(g)) == tensors(g)[:1]
+        assert nominal.describe_growth(tensors(g)[0]) == "s0*s1^2"
+    returned = _graph_of(fn, tf.TensorSpec([None, None, E]))
+    with shapes.nominal(512, shapes.symbols(returned, nominal.dynamic_inputs(returned)), {0: 8}):
+        assert nominal.outgrowing(returned, tensors(returned)) == []
+
+
 DENSE_IN = tf.Variable(rng.randn(16, 512).astype(np.float32) / 4)
 DENSE_OUT = tf.Variable(rng.randn(512, 8).astype(np.float32) / 20)
 
