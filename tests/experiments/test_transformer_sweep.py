@@ -180,7 +180,7 @@ def test_tfdata_step_at_2048_is_compiled_within_the_limit(tmp_path):
     memory model counted the split program right, the plan stopped where it fit at the nominal
     sizes, its last decoder layer's attentions whole, which grow as the length squared.
 
-    ``heavy`` (about 4 minutes: a trace and rewrite of 100 s, two compiles at L = 2048)."""
+    ``heavy`` (4-6 minutes: a trace and rewrite of 90-100 s, two compiles at L = 2048)."""
     assert sweep.main(["--pipeline", "tfdata", "--modes", "train", "--keras", "2", "--batch", "8", "--lengths", "2048",
                        "--dropout", "0.1", "--max-run-length", "128", "--repeats", "1", "--out", str(tmp_path)]) == 0
     meta = json.loads((tmp_path / "transformer_sweep_tfdata.json").read_text())
