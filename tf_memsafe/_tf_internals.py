@@ -17,7 +17,9 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
   why both signals are read); a trace made inside one builds its control flow for XLA (``If`` and
   ``While`` carry ``_xla_propagate_compile_time_consts``, not ``_lower_using_switch_merge``), so a
   copy traced to be measured is traced inside one too (:func:`traced_as_called`, entering
-  ``polymorphic_function.OptionalXlaContext`` as ``__call__`` does);
+  ``polymorphic_function.OptionalXlaContext`` as ``__call__`` does), and a compiled function's graph is
+  rewritten inside one entered on the graph it was traced from (``FuncGraph.outer_graph``:
+  :func:`built_for_xla`), so the loops tf_memsafe builds carry that attribute however it was traced;
 * with one non-persistent ``GradientTape`` watching a call, a ``ConcreteFunction`` runs the forward
   and backward functions that ``concrete_function._FirstOrderTapeGradientFunctions`` builds
   (``forward()`` returns the forward ``AtomicFunction``, after which ``_backward`` holds the backward
@@ -44,6 +46,7 @@ What this module relies on, checked by :func:`check_supported` with a clear erro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -58,7 +61,7 @@ __all__ = [
     "TraceInfo", "trace_info", "device_memory_bytes", "physical_memory_bytes",
     "tape_functions", "calls_xla_function", "compile_by_name", "flat_compile_args", "install_gradient_recorder",
     "uninstall_gradient_recorder", "call_arguments", "export_only", "install_call_check", "uninstall_call_check",
-    "tracing_without_python", "traced_as_called",
+    "tracing_without_python", "traced_as_called", "built_for_xla",
 ]
 
 SUPPORTED_TF = ((2, 21),)  # (major, minor) versions whose internals are tested.
@@ -154,6 +157,32 @@ def traced_as_called():
     control flow is built as XLA compiles it when called (a program measured is the program run)."""
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
     return polymorphic_function.OptionalXlaContext(True)
+
+
+@contextlib.contextmanager
+def built_for_xla(graph):
+    """A context in which control flow built in ``graph`` (a ``FuncGraph`` XLA compiles, being rewritten)
+    is built as XLA compiles it, whether the function was traced by a call or by
+    ``get_concrete_function``: an XLA context entered on the graph it was traced from, as ``__call__``
+    enters one (nothing where that graph is already inside one).
+
+    Why: a ``While`` built outside one lacks ``_xla_propagate_compile_time_consts``, and XLA then takes
+    a loop-invariant size its body needs as a constant (a split loop's chunk, scaled at run time from
+    the inputs' shapes) only where TensorFlow's constant folding happens to reach it: measured on TF
+    2.21, a loop whose other invariant input is a stateless draw keyed by constants fails to compile
+    ("Input 1 to node `while/range` with op Range must be a compile-time constant"), and the same loop
+    with the attribute compiles (``tests/tf_memsafe/test_hook.py``)."""
+    from tensorflow.python.ops import control_flow_ops, control_flow_util
+    outer = getattr(graph, "outer_graph", None)
+    if outer is None or control_flow_util.GraphOrParentsInXlaContext(graph):
+        yield
+        return
+    previous = outer._get_control_flow_context()
+    outer._set_control_flow_context(control_flow_ops.XLAControlFlowContext())
+    try:
+        yield
+    finally:
+        outer._set_control_flow_context(previous)
 
 
 def calls_xla_function(graph) -> bool:

@@ -286,7 +286,8 @@ def transform(graph) -> None:
                                    checked_at_run=_checked_at_run(opts, info.xla_compiled))
         before = _model_estimate(graph)
         traced_ops = len(graph.get_operations())
-        result = _pipeline().run(graph, opts)
+        with _tf_internals.built_for_xla(graph) if info.xla_compiled else contextlib.nullcontext():
+            result = _pipeline().run(graph, opts)     # (its loops built as a call's trace builds them)
     except Exception as e:  # noqa: BLE001 - fail open; the pipeline has restored the graph
         pass_name = e.pass_name if isinstance(e, PipelineError) else None
         previous = e.previous_passes if isinstance(e, PipelineError) else ()

@@ -215,6 +215,21 @@ class TestControlFlowAndReentrancy:
         assert format_graph(g) == once
         assert "While" in once
 
+    @pytest.mark.parametrize("traced_by", ["call", "get_concrete_function"])
+    def test_loops_a_pass_builds_are_built_as_xla_compiles_them(self, traced_by):
+        """However the function was traced, a loop a pass builds in it carries the attribute a call's
+        trace gives it (XLA then takes its loop-invariant sizes as constants), and the context that
+        says so is gone once the pipeline has run."""
+        tf_memsafe.enable("1GB")
+        f = tf.function(lambda x: x * 2.0, jit_compile=True)
+        with hook.use_pipeline(Pipeline([LoopBuildingPass()])):
+            if traced_by == "call":
+                f(X)
+            graph = f.get_concrete_function(X).graph
+        loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+        assert loops and all(op.get_attr("_xla_propagate_compile_time_consts") for op in loops)
+        assert tf.compat.v1.get_default_graph()._get_control_flow_context() is None
+
     def test_gradient_through_a_rewritten_function_with_tape_outside(self):
         tf_memsafe.enable("1GB")
         with hook.use_pipeline(Pipeline([ScaleOutputsPass(5.0)])):

@@ -22,7 +22,7 @@ from grappler_ext.splitter import Splitter, Tuning, lengths, nominal, rules, sca
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import always_split
-from tf_memsafe import hook
+from tf_memsafe import hook, memory
 from tf_memsafe.memory import XlaMeasurer
 
 rng = np.random.RandomState(0)
@@ -668,7 +668,10 @@ def test_a_padded_batch_attention_with_dropout_draws_by_slice(draw):
     tf_keras' ``Dropout``) or from a key (as Keras 3's): the draw's shape is [B, L, L] of run-time
     sizes, computed with ``tf.shape``.  With ``redraw_random`` each slice draws its own mask of its
     own shape, read from the function's input sizes: the step is split along the queries and keeps
-    its limit at shapes on both sides of the nominal ones (its values are other draws: not compared)."""
+    its limit at shapes on both sides of the nominal ones (its values are other draws: not compared).
+    Traced by ``get_concrete_function`` (outside the XLA context a call enters), the program as split
+    is still checked by XLA: its loops are built as a call builds them (a loop whose invariants are a
+    stateful draw keyed by constants and a chunk read from the sizes did not compile, measured so)."""
     def dropped_step(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -684,12 +687,15 @@ def test_a_padded_batch_attention_with_dropout_draws_by_slice(draw):
     tf_memsafe.enable(limit, strict=True, redraw_random=True)
     try:
         f = tf.function(dropped_step, jit_compile=True, input_signature=PADDED)
-        loss, grad = f(_batch(2, 300))
+        traced = f.get_concrete_function().graph
         records = _records("dropped_step")
+        checked = memory.graph_bytes(traced, [(4, 512, E)])     # (the copy the splitter checks; raised before)
+        loss, grad = f(_batch(2, 300))
         after = {shape: tf_memsafe.memory_footprint(f, tf.TensorSpec([*shape, E])) for shape in ((4, 512), (2, 1024))}
     finally:
         tf_memsafe.disable()
     assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]
+    assert checked <= limit, (checked, limit)
     assert np.isfinite(loss.numpy()) and grad.shape == (2, 300, E)
     for shape, figure in after.items():
         assert figure <= limit, (shape, figure, limit)
