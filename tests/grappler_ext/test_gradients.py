@@ -261,13 +261,18 @@ def test_layers_that_each_fit_are_split_when_the_gradients_hold_them_all(model, 
     assert error(got) <= 2 * error(naive_fn(x)) + 1e-6 * scale
 
 
+@pytest.mark.heavy
 def test_keys_and_values_are_recomputed_from_the_layer_input_in_the_gradient():
     """Three Keras attention layers, tape inside: each layer's keys and values, [512, 8 heads, 16],
     are 16x its input [512, 8], and the gradients would hold both for every layer until the
     backward.  Each loop takes the projections computing them as its prologue (einsum and bias:
     4 ops), computes them once before its slices and again in its gradient from the layer input,
     which the program holds anyway.  Measured: 1.6 MB within the 2.6 MB limit; without
-    prologues the best split needs 3.1 MB (53.2 MB naive)."""
+    prologues the best split needs 3.1 MB (53.2 MB naive).  ``heavy`` (40 s): one layer's keys and
+    values computed in its loop's prologue and differentiated there run by default in test_fused
+    (``test_one_loop_computes_the_loss_and_its_gradients[multi_head]``,
+    ``test_the_prologue_carries_each_input_its_own_gradient``) and test_tiling
+    (``test_a_training_step_with_the_tape_inside``)."""
     length, width, heads, key_dim, layers = 512, 8, 8, 16, 3
     x = tf.constant(np.random.default_rng(6).standard_normal((1, length, width)), tf.float32)
 

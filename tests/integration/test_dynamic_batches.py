@@ -7,7 +7,9 @@ step is planned at a nominal batch where what grows with it is 4x the limit (717
 [7172, 1024] activation is 29 MB, the naive step over 100 MB by the memory model) and its loops read
 the batch when the step runs; a top-k accuracy metric (``InTopKV2``) is split with the rows.  Both
 Keras versions: losses equal to the unsplit fit's, one loop with a run-time length, within the limit
-by XLA's figure at the nominal batch, and nothing said.
+by XLA's figure at the nominal batch, and nothing said.  Under tf_keras both tests are ``heavy``
+(``keras_fit.KERAS3_TF_KERAS_HEAVY``): its ``fit`` on batches of run-time size runs by default in
+test_run_time_shapes, its attention on padded batches in test_padded_batches.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from grappler_ext.splitter.outcome import Code
-from tests.integration.keras_fit import fit_under, keras_of
+from tests.integration.keras_fit import KERAS3_TF_KERAS_HEAVY, fit_under, keras_of
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def _fit(keras, enabled: bool):
     return fit_under(model, data, LIMIT if enabled else None)
 
 
-@pytest.mark.parametrize("version", ["tf_keras", "keras3"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_fit_on_a_short_last_batch_is_split_along_the_batch(version):
     keras = keras_of(version)
     expected, _, _ = _fit(keras, enabled=False)
@@ -72,7 +74,7 @@ def _fit_embedding(keras, enabled: bool):
     return losses, model.layers[1].get_weights()[0], records, said
 
 
-@pytest.mark.parametrize("version", ["tf_keras", "keras3"])
+@pytest.mark.parametrize("version", KERAS3_TF_KERAS_HEAVY)
 def test_an_embedding_on_batches_of_unknown_size_keeps_its_sparse_update(version):
     """Planned at a nominal batch, the step is split along the batch through a region holding the
     lookup: the table's gradient, the rows looked up (``IndexedSlices``) as traced, comes out of the
