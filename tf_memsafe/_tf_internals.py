@@ -171,7 +171,10 @@ def built_for_xla(graph):
     the inputs' shapes) only where TensorFlow's constant folding happens to reach it: measured on TF
     2.21, a loop whose other invariant input is a stateless draw keyed by constants fails to compile
     ("Input 1 to node `while/range` with op Range must be a compile-time constant"), and the same loop
-    with the attribute compiles (``tests/tf_memsafe/test_hook.py``)."""
+    with the attribute compiles (``tests/tf_memsafe/test_hook.py`` checks the attribute,
+    ``tests/grappler_ext/splitter/test_dynamic.py``'s dropout test the compile).  The context is set on
+    that graph directly, not entered as :func:`traced_as_called` enters it: that makes the graph the
+    default one, and the eager program's graph made default switches TensorFlow to graph mode."""
     from tensorflow.python.ops import control_flow_ops, control_flow_util
     outer = getattr(graph, "outer_graph", None)
     if outer is None or control_flow_util.GraphOrParentsInXlaContext(graph):
