@@ -7,7 +7,8 @@ figures, the loops built so far, the room given to starved gradient loops) and i
 The stages it calls: :mod:`.search` (for each large tensor, the regions around it ranked and the
 best one built: :mod:`.analysis` grows them, no input sliced along an axis :mod:`.sharding` pins,
 :mod:`.policy` sizes and ranks them, :mod:`.mechanism` builds the loop), :mod:`.measure` (XLA's
-figures, by the injected measurer) to check the program.
+figures, by the injected measurer) to check the program, and :mod:`.backward_growth` (starved gradient loops
+grown into the room XLA's figure leaves).
 """
 
 from __future__ import annotations
@@ -20,8 +21,18 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.measure import Figure, Measurer, program_figure, program_figure_later
 from grappler_ext.pass_base import SKIPPED, GraphPass, Motive, PassOptions, PassResult, warn
 from grappler_ext.pipeline import register_pass
-from grappler_ext.splitter import analysis, mechanism, nominal, outcome, policy, rules, search, whole_at_run
-from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize, Redrawable
+from grappler_ext.splitter import (
+    analysis,
+    backward_growth,
+    mechanism,
+    nominal,
+    outcome,
+    policy,
+    rules,
+    search,
+    whole_at_run,
+)
+from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, NominalSize, Redrawable
 from grappler_ext.splitter.search_budget import SearchBudget, SearchMemo
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
@@ -71,7 +82,7 @@ class _Run:
         self.calibrator = splitter.measurer if options.calibrate_chunks else None
         self.result = PassResult(self.name)
         self.grow_room: dict[str, tuple[int, int]] = {}  # large tensor -> (bytes, chunk) given to its gradient loop
-        # Per plan (reset by _split_large).
+        # Per plan (reset by split_large).
         self.loop_bytes: dict[str, int] = {}             # a loop's planned body bytes, by its op's name
         self.backward_bytes: dict[int, int] = {}         # a region's gradient loop's planned body bytes, by its id
         self.model_after: int | None = None              # the model's count after the latest loop (not a bound)
@@ -438,7 +449,7 @@ class _Run:
         for attempt in range(replans + 1):
             mark = len(journal)
             tried = PassResult(self.name)
-            after, measured = self._split_large(est, info, limit, tried)
+            after, measured = self.split_large(est, info, limit, tried)
             if best is not None and measured is None:
                 # A plan again that split less or warned is judged by XLA's figure like the one
                 # before it (a Keras step planned against a lower limit: no loop at all, 54 MB).
@@ -453,7 +464,7 @@ class _Run:
                                     f"planned against {best[1]:,} B again", code=Code.REPLAN_NO_BETTER)
                 limit = best[1]
                 tried = PassResult(self.name)
-                after, measured = self._split_large(est, info, limit, tried)
+                after, measured = self.split_large(est, info, limit, tried)
                 break
             best = (measured, limit)
             if attempt == replans or not self.searching():
@@ -467,70 +478,10 @@ class _Run:
                             code=Code.REPLANNED)
             limit = lower
         if measured is None or measured <= wanted:
-            tried, after, measured = self._grown_backward(est, info, limit, mark, tried, after, measured)
+            tried, after, measured = backward_growth.grown(self, est, info, limit, mark, tried, after, measured)
         return tried, after, measured
 
-    def _grown_backward(self, est, info, limit, mark, tried, after, measured):
-        """The plan ``tried`` (built since the journal's ``mark``) again with its starved gradient loops
-        grown into the room XLA's figure for it leaves under the limit, if that is within the limit;
-        else ``tried`` as it was.  Returns the plan's records, the model's bytes and XLA's figure."""
-        starved, wanted = self.starved, self.limit
-        if not starved or any(r.code == Code.BEST_EFFORT for r in tried.records) or not self.searching():
-            return tried, after, measured             # (best efforts: warned then)
-        figure = Figure(measured) if measured is not None else self.figure()      # (known: remembered)
-        if not figure.known:
-            return tried, after, measured
-        room = int(wanted * self.tuning.replan_margin) - figure.bytes
-        loops = ", ".join(map(str, starved.values()))
-        if room <= 0:
-            # Over the limit by XLA's figure where the model put it within: the model's plan stands
-            # (what the splitter could not split has been reported with the model's count).
-            tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                           f"figure for the program as split, {figure.bytes:,} B, leaves no room under the limit less "
-                           "its margin", code=Code.NOT_GROWN,
-                       plan=Growth(tuple(starved.values()), room, figure.bytes))
-            return tried, after, figure.bytes        # (over the limit, or within it by less than the margin)
-        journal, first_warnings = graph_edit.active_journal(), list(self.pending)
-
-        def replan():
-            journal.undo(to=mark)
-            again = PassResult(self.name)
-            planned = self._split_large(est, info, limit, again)
-            self.pending = first_warnings        # the first plan's warnings are the ones given
-            return (again, *planned)
-
-        self.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
-        try:
-            grown, grown_after, grown_measured = replan()
-        finally:
-            self.grow_room = {}
-        grown_figure = Figure(grown_measured) if grown_measured is not None else self.figure()
-        if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
-            # (the loops alone gave no larger chunk for the room, or could not be measured: the same plan)
-            grown.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                           f"figures for them alone gave no larger chunk within the {room:,} B under the limit less "
-                           "its margin", code=Code.NOT_GROWN,
-                       plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
-            return grown, grown_after, grown_figure.bytes if grown_figure.known else figure.bytes
-        if grown_figure.known and grown_figure.bytes <= wanted:
-            grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
-                           f"for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
-                           f"margin; with that room, {grown_figure.bytes:,} B", code=Code.GROWN,
-                       plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
-            return grown, grown_after, grown_figure.bytes
-        self.replayed = figure               # the first plan again (the same decisions): its figure is known
-        try:
-            again, after, _ = replan()
-        finally:
-            self.replayed = None
-        shown = (f"{grown_figure.bytes:,} B, over the limit" if grown_figure.known else
-                 f"not checked with XLA: {grown_figure.failure}" if grown_figure.failure else "")
-        again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "
-                       f"limit, the program as split was {shown}; planned as the model had it", code=Code.NOT_GROWN,
-                   plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
-        return again, after, figure.bytes
-
-    def _split_large(self, est, info, limit, result) -> tuple[int | None, int | None]:
+    def split_large(self, est, info, limit, result) -> tuple[int | None, int | None]:
         """One plan: split the program's large tensors, largest first, planning against ``limit``;
         warn if the model says the limit cannot be met.  Returns the model's bytes as split (``None``:
         nothing split) and XLA's figure for the program as split, where it was worth measuring and
@@ -574,36 +525,52 @@ class _Run:
         self.hoped = {x.name for x in tensors} | {x.name for op in backward for x in op.outputs if large(x)}
         step_of = {step.op: i for i, step in enumerate(est.schedule)}
         region = search.RegionSearch(self, est, info, step_of, order_index, backward, limit, result)
-        only = None           # within the limit at nominal sizes: the tensors left that outgrow the inputs
-        for tensor in tensors:
-            if tensor.op in done or tensor.op not in order_index or (only is not None and tensor.name not in only):
-                continue
-            removed = region.split_around(tensor)
-            if self.within_as_split is not None or self.in_vain:    # XLA's figure: within, or best efforts in vain
-                checked = True
-                break
-            if removed is None:
-                self.hoped.discard(tensor.name)
-                continue
-            done |= removed
-            analysis.forget_dead(order_index, graph, region.built)
-            planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
-            after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
-            self.model_after = None if bound else after
-            if after <= limit * t.model_trust and trust_model and only is None:      # as a program left alone must
-                # Checked with XLA like a program left alone (always where the model's count is only a
-                # lower bound); if over, the model's word is not taken again: every large tensor left is split.
-                figure = self.figure() if after >= t.check_from * limit or bound else Figure()
-                if not figure.over(self.limit):
-                    checked, only = figure.known, region.outgrowing(tensors, done, after)
-                    if not only:
-                        break
-                    checked = False                                  # (measured again once they are split)
+        only = None           # within the limit at nominal sizes by the model: the tensors left that outgrow the inputs
+        visited: set = set()  # (tensors tried: not again where the tensors left are gone through again, below)
+        while True:
+            for tensor in tensors:
+                if (tensor.op in done or tensor.op not in order_index or tensor.name in visited
+                        or (only is not None and tensor.name not in only)):
                     continue
-                trust_model = False
-                result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, but "
-                                f"XLA's figure is {figure.bytes:,} B, over the limit: the large tensors left are split "
-                                "too", code=Code.CHECKED_OVER)
+                visited.add(tensor.name)
+                removed = region.split_around(tensor)
+                if self.within_as_split is not None or self.in_vain:    # XLA's figure: within, or best efforts in vain
+                    checked = True
+                    break
+                if removed is None:
+                    self.hoped.discard(tensor.name)
+                    continue
+                done |= removed
+                analysis.forget_dead(order_index, graph, region.built)
+                planned = max((r.bytes_after or 0 for r in result.rewritten), default=0)
+                after, bound = analysis.needed_now(graph, planned, self.loop_bytes)
+                self.model_after = None if bound else after
+                if after <= limit * t.model_trust and trust_model and only is None:      # as a program left alone must
+                    # Within the limit at nominal sizes with large tensors left that outgrow the inputs: those
+                    # are split first, and the program is checked with XLA once (below), not before and after.
+                    if only := region.outgrowing(tensors, done, after) or None:
+                        continue
+                    # Checked with XLA like a program left alone (always where the model's count is only a lower
+                    # bound); if over, the model's word is not taken again: every large tensor left is split.
+                    figure = self.figure() if after >= t.check_from * limit or bound else Figure()
+                    if not figure.over(self.limit):
+                        checked = figure.known
+                        break
+                    trust_model = False
+                    result.skip([], f"with {outcome.loops(len(result.rewritten))} the memory model counts {after:,} B, "
+                                    f"but XLA's figure is {figure.bytes:,} B, over the limit: the large tensors left "
+                                    "are split too", code=Code.CHECKED_OVER)
+            else:
+                asked = only is not None and (after >= t.check_from * limit or self.model_after is None)
+                figure = self.figure() if asked else Figure()
+                if figure.over(self.limit):      # (what outgrows the inputs split: the rest too, gone through again)
+                    only, trust_model, region.covering = None, False, False
+                    result.skip([], f"with {outcome.loops(len(result.rewritten))}, those outgrowing the inputs split, "
+                                    f"XLA's figure is {figure.bytes:,} B, over the limit: the large tensors left are "
+                                    "split too", code=Code.CHECKED_OVER)
+                    continue
+                checked = figure.known
+            break
         # A tensor no root of its own could split may still have been split by a later, larger
         # region (SGPR's test-point solves, inside the predictive mean's loop): no record then.
         done_names = {op.name for op in done}

@@ -38,7 +38,7 @@ __all__ = ["RegionSearch", "Candidate"]
 
 class RegionSearch:
     """One plan's search and build of a loop around each large tensor (the state of the driver's
-    ``_Run._split_large``; ``run``: the driver's run, its graph, options, measurer and bookkeeping)."""
+    ``_Run.split_large``; ``run``: the driver's run, its graph, options, measurer and bookkeeping)."""
 
     def __init__(self, run, est, info, step_of, order_index, backward, budget, result):
         self.run, self.tuning, self.est, self.info, self.step_of = run, run.tuning, est, info, step_of

@@ -17,11 +17,12 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext import shapes
+from grappler_ext.graph_query import live_ops
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.splitter import Splitter, Tuning, lengths, nominal, rules, scaling
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
-from tests.fakes import always_split
+from tests.fakes import FakeMeasurer, always_split
 from tf_memsafe import hook, memory
 from tf_memsafe.memory import XlaMeasurer
 
@@ -323,6 +324,33 @@ def test_what_outgrows_the_inputs_is_split_though_the_plan_fits_at_the_nominal_s
         after = _split_figure(f, limit, b, n)
         assert after <= limit, (b, n, after, limit)
     _close(f(_batch(3, 700)), tf.function(wide_then_narrow, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
+
+
+@pytest.mark.parametrize("first", ["xla", "over"])
+def test_what_outgrows_is_split_before_the_program_is_measured(first):
+    """Within the limit at the nominal sizes by the model's count, a plan with tensors left that outgrow
+    the inputs splits them first and asks XLA's figure for the whole program once, after: each such
+    figure is a compile of the whole program (50 s for the tutorial's training step at L = 2048), and
+    the one asked before them only chose between splitting them and splitting everything.  Where that
+    one figure is over the limit, the large tensors left are split too, and the plan is made again
+    against a lower limit, as any plan over by XLA's figure is."""
+    limit = tf_memsafe.memory_footprint(tf.function(wide_then_narrow), _batch(4, 512), rewrite=False) // 8
+    xla, asked = XlaMeasurer(), []
+
+    def figure(graph):
+        asked.append(sum(op.type in ("While", "StatelessWhile") for op in live_ops(graph)))
+        return 10 * limit if first == "over" and len(asked) == 1 else xla.program_bytes(graph)
+
+    with hook.use_pipeline(Pipeline([Splitter(FakeMeasurer(program=figure))])):
+        f, records = _padded(wide_then_narrow, limit, split_always=False)
+    codes = [r.code for r in records]
+    assert asked[0] == 2, asked                  # (not asked with the wide attention's loop alone)
+    if first == "xla":
+        assert asked == [2], asked
+        assert codes.count(Code.OUTGROWS) == 1 and codes.count(Code.SPLIT) == 2, [r.reason for r in records]
+    else:                                        # (over: planned again against a lower limit, its records kept)
+        assert Code.REPLANNED in codes and codes.count(Code.SPLIT) == 2, [r.reason for r in records]
+    _close(f(_batch(3, 300)), tf.function(wide_then_narrow, jit_compile=True)(_batch(3, 300)), "at [3, 300]")
 
 
 def test_outgrowing_compares_growth_with_the_inputs_and_outputs():
