@@ -16,7 +16,9 @@ A loop's chunk is planned there, and is right at every other size: a slice's cos
 the length (only the split axis may be unknown), so the loops keep the limit wherever the rest of
 the program does.  The plan does not stop where the program fits at that size while a large tensor
 left whole grows faster than the inputs and outputs (:func:`outgrowing`): that tensor would outgrow
-the limit a little beyond it, so it gets a loop too.
+the limit a little beyond it, so it gets a loop too.  Where the memory model puts the program within
+the limit there, those tensors are split before XLA's figure for the whole program is asked: one
+compile of it, not one before and one after (each is tens of seconds for a Transformer's step).
 """
 
 from __future__ import annotations
