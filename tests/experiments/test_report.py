@@ -200,9 +200,22 @@ def test_a_failing_experiment_is_reported_and_the_others_still_run(tmp_path, mon
     assert "| [Transformer](#transformer) | none | - | - | - |" in text   # not chosen: not run now
 
 
-def test_quick_run_of_one_experiment(tmp_path):
-    """The wide layer's quick run (seconds; the overhead's own test runs that one's quick run)."""
+def test_quick_run_of_one_experiment(tmp_path, monkeypatch):
+    """The wide layer's quick run (seconds; the overhead's own test runs that one's quick run): its
+    ``main`` called as report calls it, with ``--out`` and ``--quick``, here one optimizer (Adam) and one
+    timed step added to them (its quick run's default, both optimizers and five steps under each Keras,
+    took this test 20 s; the Keras 3 case's values are checked by test_wide_layer.py)."""
+    from experiments import wide_layer
+
+    real, seen = wide_layer.main, []
+
+    def one_optimizer(argv):
+        seen.append(list(argv))
+        return real([*argv, "--optimizers", "adam", "--repeats", "1"])
+
+    monkeypatch.setattr(wide_layer, "main", one_optimizer)
     assert report.main(["--quick", "--only", "wide_layer", "--out", str(tmp_path)]) == 0
+    assert seen == [["--out", str(tmp_path), "--quick"]]
     assert (tmp_path / "wide_layer.json").exists()
     text = (tmp_path / "SUMMARY.md").read_text()
     assert "| [Wide layer](#wide-layer) | `wide_layer.json` | quick |" in text, text[:2000]

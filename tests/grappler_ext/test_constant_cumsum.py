@@ -233,3 +233,26 @@ def test_keras_causal_attention_exact_and_without_a_scan(keras):
     got, expected = run_both(fn, q)
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
     assert [r.action for r in records()] == ["rewritten", "rewritten"]
+
+
+def test_keras3_causal_attention_in_the_products_pipeline_is_changed_by_this_pass_alone():
+    """What experiments/compile_time.py measures, at L = 128 in float32: Keras 3's
+    MultiHeadAttention(use_causal_mask=True) with dropout under the whole pipeline and a 4 GB limit:
+    constant_cumsum rewrites both running sums and no other pass rewrites anything; with it disabled,
+    nothing is rewritten; the output is the program's as written, to the bit, either way."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)
+    fn = lambda q: layer(q, q, use_causal_mask=True, training=False)
+    q = tf.constant(np.random.default_rng(0).standard_normal((2, 128, 16)).astype(np.float32))
+    fn(q[:, :4])   # build the layer's weights eagerly
+    expected = tf.function(fn, jit_compile=True)(q).numpy()
+    for disabled, rewrites in (((), {"constant_cumsum": 2}), (("constant_cumsum",), {})):
+        tf_memsafe.enable("4GB", strict=True, disabled_passes=disabled)
+        mark = hook.report_mark()
+        got = tf.function(fn, jit_compile=True)(q).numpy()
+        tf_memsafe.disable()
+        passes = [r.pass_name for rep in hook.reports_since(mark) for r in rep.records if r.action == "rewritten"]
+        assert {name: passes.count(name) for name in passes} == rewrites, (disabled, passes)
+        np.testing.assert_array_equal(got, expected)

@@ -178,13 +178,11 @@ def test_a_transposed_convolution_of_a_run_time_batch_is_split_along_it():
         return (loss, *tape.gradient(loss, weights))
 
     z = tf.constant(RNG.standard_normal((24, 16, 16, 8)).astype(np.float32))
-    want = step(z)
-    naive = tf_memsafe.memory_footprint(step, z, rewrite=False)
+    want, naive = run_and_measure(step, z)           # (XLA's figures for the compiles the calls made)
     tf_memsafe.enable(naive // 4, strict=True)
     try:
         fn = tf.function(step.python_function, jit_compile=True, input_signature=[tf.TensorSpec([None, 16, 16, 8])])
-        got = fn(z)
-        after = tf_memsafe.memory_footprint(fn, z)
+        got, after = run_and_measure(fn, z)
         records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
     finally:
         tf_memsafe.disable()

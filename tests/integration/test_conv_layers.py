@@ -70,7 +70,8 @@ def test_batch_normalisation_over_the_limit_is_said_once():
     and, where over the limit, said once, naming the convolution.
 
     ``heavy`` (about 50 s; ``python -m tests -m heavy`` runs it): batch normalisation in a training
-    step split within its limit by tests/grappler_ext/splitter/test_convolutions.py (both Kerases); a
+    step split within its limit by tests/grappler_ext/splitter/test_convolutions.py (Keras 3 by default,
+    tf_keras' case ``heavy``); a
     plan over its limit said once, naming what could not be split, by test_kernel_ridge.py and
     tests/tf_memsafe/test_hostile_inputs.py."""
     keras = keras_of("keras3")

@@ -56,7 +56,15 @@ def _encoder(keras, dropout: float = 0.0, length: int = L):
     return layer, x
 
 
-def _run(fn, x, limit, compare=True, **options):
+def _naive(fn, x):
+    """``fn(x)`` jit-compiled as written and XLA's figure for it (tests/xla_run.py): what ``_run``
+    compares the split program with, and ``memory_footprint(fn, x, rewrite=False)``'s figure."""
+    return run_and_measure(tf.function(fn, jit_compile=True), x)
+
+
+def _run(fn, x, limit, compare=True, want=None, **options):
+    """``fn`` split under ``limit``: XLA's figure for the program run, and the splitter's records;
+    ``compare``: its results equal to ``want`` (``fn``'s as written, computed here when not given)."""
     mark = hook.report_mark()
     tf_memsafe.enable(limit, strict=True, **options)
     try:
@@ -67,7 +75,8 @@ def _run(fn, x, limit, compare=True, **options):
     records = [r for r in hook.reports_since(mark)[0].records if r.pass_name == "splitter"]
     if not compare:
         return after, records
-    want = tf.function(fn, jit_compile=True)(x)
+    if want is None:
+        want = tf.function(fn, jit_compile=True)(x)
     # float32 sums reassociated; the keys' bias gradient is 0 up to rounding (softmax ignores it)
     for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6)
@@ -81,8 +90,8 @@ def test_the_forward_is_one_loop_along_the_sequence(version):
     def forward(x):
         return layer(x)      # (inference: no dropout)
 
-    naive = tf_memsafe.memory_footprint(forward, x, rewrite=False)
-    after, records = _run(forward, x, naive // 8)
+    want, naive = _naive(forward, x)
+    after, records = _run(forward, x, naive // 8, want=want)
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
     assert len(loops) == 1 and loops[0].length == L, [r.reason for r in records]
     assert after <= naive / 4, (after, naive)
@@ -99,8 +108,8 @@ def test_the_forward_at_twice_the_length_within_a_sixteenth(version):
     def forward(x):
         return layer(x)
 
-    naive = tf_memsafe.memory_footprint(forward, x, rewrite=False)
-    after, records = _run(forward, x, naive // 16)
+    want, naive = _naive(forward, x)
+    after, records = _run(forward, x, naive // 16, want=want)
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
     assert len(loops) == 1 and loops[0].best_effort is None, [r.reason for r in records]
     assert (loops[0].nested is not None) == (version == "tf_keras"), loops[0].render()
@@ -120,8 +129,8 @@ def test_a_stack_of_two_is_one_loop_per_layer(version):
     def forward(x):
         return second(first(x))
 
-    naive = tf_memsafe.memory_footprint(forward, x, rewrite=False)
-    after, records = _run(forward, x, naive // 8)
+    want, naive = _naive(forward, x)
+    after, records = _run(forward, x, naive // 8, want=want)
     loops = [r.plan for r in records if r.code in (Code.SPLIT, Code.BEST_EFFORT)]
     assert len(loops) == 2 and {p.length for p in loops} == {L}, [r.reason for r in records]
     assert after <= naive / 3.5, (after, naive)      # (3.8x tf_keras, 6.6x Keras 3: read whole, x, k, v)
@@ -139,8 +148,8 @@ def _step(layer):
 def test_a_training_step_fits_an_eighth_of_its_footprint(version):
     layer, x = _encoder(keras_of(version))
     step = _step(layer)
-    naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
-    after, records = _run(step, x, naive // 8)
+    want, naive = _naive(step, x)
+    after, records = _run(step, x, naive // 8, want=want)
     assert any(isinstance(r.plan, LoopPlan) and r.plan.length == L for r in records), [r.reason for r in records]
     assert after <= naive // 8, (after, naive)
 

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe
+from tests.xla_run import run_and_measure
 
 N, M = 2000, 1000
 
@@ -38,13 +39,12 @@ def predict(x, y, x_test):
 def test_the_mean_and_variance_are_one_loop_over_the_test_points():
     rng = np.random.default_rng(0)
     x, y, x_test = (tf.constant(rng.normal(size=s).astype(np.float32)) for s in [(N, 8), (N, 1), (M, 8)])
-    expected = tf.function(predict, jit_compile=True)(x, y, x_test)
-    written = tf_memsafe.memory_footprint(predict, x, y, x_test, rewrite=False)
+    # (XLA's figures of the very programs run: tests/xla_run.py)
+    expected, written = run_and_measure(tf.function(predict, jit_compile=True), x, y, x_test)
     tf_memsafe.enable(int(0.45 * written))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = tf.function(predict, jit_compile=True)(x, y, x_test)
-    split = tf_memsafe.memory_footprint(predict, x, y, x_test)
+        got, split = run_and_measure(tf.function(predict, jit_compile=True), x, y, x_test)
     assert split <= 0.6 * written, (split, written)
     said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]
     assert len(said) == 1 and "over its limit" in said[0], said                  # (it cannot fit: said once)

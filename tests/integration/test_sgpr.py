@@ -20,7 +20,7 @@ from grappler_ext.pipeline import default_pipeline
 from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, Tuning
 from tests.fakes import FakeMeasurer
 from tests.xla_run import run_and_measure
-from tf_memsafe import hook
+from tf_memsafe import hook, xla_flags
 from tf_memsafe.memory import XlaMeasurer
 
 N, M, LIMIT = 20000, 200, 16 * 10**6
@@ -60,10 +60,17 @@ def loss_and_gradients(model):
     return loss_and_grads
 
 
-def test_loss_and_gradients_with_the_tape_inside(model):
+@pytest.fixture(scope="module")
+def as_written(model):
+    """The module model's loss and gradients as written (tape inside, jit) and XLA's figure for that
+    program (tests/xla_run.py): computed once, for the tape inside and the tape outside alike."""
+    return run_and_measure(tf.function(loss_and_gradients(model), jit_compile=True))
+
+
+def test_loss_and_gradients_with_the_tape_inside(model, as_written):
     loss_and_grads = loss_and_gradients(model)
     # (XLA's figures of the very programs run: tests/xla_run.py)
-    expected, before = run_and_measure(tf.function(loss_and_grads, jit_compile=True))
+    expected, before = as_written
     tf_memsafe.enable(LIMIT, strict=True)
     got, after = run_and_measure(tf.function(loss_and_grads, jit_compile=True))
     splits = [r for r in rewrites() if r.pass_name == "splitter"]
@@ -76,8 +83,16 @@ def test_loss_and_gradients_with_the_tape_inside(model):
 STARVED = dataclasses.replace(DEFAULT_TUNING, backward_sizing_steps=10**9)
 
 
+@pytest.fixture(scope="module")
+def matern_400():
+    """The starved-gradient-loop tests' step (Matern32, M = 400 inducing points) and its loss and
+    gradients as written: computed once for the tests below (each compiles its own split step)."""
+    loss_and_grads = loss_and_gradients(sgpr_model(gpflow.kernels.Matern32, m=400))
+    return loss_and_grads, tf.function(loss_and_grads, jit_compile=True)()
+
+
 @pytest.mark.parametrize("xla_agrees", [True, pytest.param(False, marks=pytest.mark.heavy)])
-def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
+def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(matern_400, xla_agrees):
     """Matern32, M = 400 inducing points under 30 MB: the model counts so much of the rest of the
     step (the [400, 400] kernel's gradient) beside the gradient loop that it leaves it 50 rows a
     step against the forward's 263 (400 steps); XLA's figure for the program as split leaves room
@@ -90,10 +105,7 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
     xla = XlaMeasurer()
     measured = iter([xla.program_bytes])                 # the first plan's figure is XLA's own
     measurer = xla if xla_agrees else FakeMeasurer(program=lambda graph: next(measured, lambda g: 10**9)(graph))
-    model = sgpr_model(gpflow.kernels.Matern32, m=400)
-
-    loss_and_grads = loss_and_gradients(model)
-    expected = tf.function(loss_and_grads, jit_compile=True)()
+    loss_and_grads, expected = matern_400
     limit = 30 * 10**6
     tf_memsafe.enable(limit, strict=True)
     with hook.use_pipeline(default_pipeline({"splitter": Splitter(measurer, STARVED)})):
@@ -114,16 +126,13 @@ def test_a_starved_gradient_loop_grows_into_the_room_xla_leaves(xla_agrees):
             assert after <= limit
 
 
-def test_a_growth_that_changes_no_loop_is_not_compiled_again():
+def test_a_growth_that_changes_no_loop_is_not_compiled_again(matern_400):
     """The same step, XLA's figure for the program as split leaving 1 kB under the limit less its
     margin: too little to give the starved gradient loop another row, so the plan made with that
     room builds the loops the first plan built.  Its figure is the first plan's: one compile."""
     limit = 30 * 10**6
     measurer = FakeMeasurer(program=lambda graph: int(limit * DEFAULT_TUNING.replan_margin) - 1000)
-    model = sgpr_model(gpflow.kernels.Matern32, m=400)
-
-    loss_and_grads = loss_and_gradients(model)
-    expected = tf.function(loss_and_grads, jit_compile=True)()
+    loss_and_grads, expected = matern_400
     tf_memsafe.enable(limit, strict=True)
     # (a search that never runs out of time: on a busy machine the floor of a minute could stop it)
     patient = dataclasses.replace(STARVED, search_floor_s=3600.0)
@@ -137,19 +146,27 @@ def test_a_growth_that_changes_no_loop_is_not_compiled_again():
     assert_close(got, expected, 1e-10)
 
 
-def test_loss_with_the_tape_outside(model):
+def test_loss_with_the_tape_outside(model, as_written):
     def loss_and_grads(jit):
         f = tf.function(model.training_loss, jit_compile=jit)
         with tf.GradientTape() as tape:
             loss = f()
         return loss, tape.gradient(loss, model.trainable_variables)
 
-    expected = loss_and_grads(True)
+    expected, _ = as_written          # the same loss and gradients, as written (the tape inside)
     tf_memsafe.enable(LIMIT, strict=True)
-    got = loss_and_grads(True)
+    # XLA's figures of the forward and backward programs this very call compiled and ran, as
+    # tf_memsafe.tape_footprint reads them where it runs the loss (SGPR's backward needs a run:
+    # test_gpflow_rewrites.py::test_tape_footprint_of_sgpr_needs_a_run_and_gets_one); asking it
+    # traced, planned and compiled the pair twice more.
+    with xla_flags.dump_all_compiles(in_memory=True) as folder:
+        got = loss_and_grads(True)
+        reports = xla_flags.memory_reports(folder)
     assert_close(got, expected, 1e-10)
-    figures = tf_memsafe.tape_footprint(model.training_loss)
-    assert figures.forward <= LIMIT and figures.backward <= LIMIT
+    forward = [total for module, total in reports if "forward" in module and "training_loss" in module]
+    backward = [total for module, total in reports if "backward" in module and "training_loss" in module]
+    assert len(forward) == 1 and len(backward) == 1, reports
+    assert forward[0] <= LIMIT and backward[0] <= LIMIT, reports
 
 
 def test_scipy_training_as_gpflow_compiles_it():

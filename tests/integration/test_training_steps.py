@@ -16,7 +16,14 @@ step (which only reassociates sums, or rescales an online softmax) is compared a
 Each case's docstring works out its bytes: the naive step needs 10-50x the case's limit (XLA's
 "Total bytes used", measured); the rewritten step must fit the limit.  Every numerical test also
 asserts that the splitter rewrote the step and rebuilt the tape's gradient on it, so none can pass
-by leaving the step alone.
+by leaving the step alone.  The jit-compiled Adam steps, as written and rewritten, are run once per
+case (the ``jit_adam`` fixture) for both the Adam test and the test of XLA's figure.
+
+The loss-and-gradients test without XLA (``jit=False``, ``rewrite_non_jit``) is ``heavy`` (about 4 s
+a case, 20 s in all; ``python -m tests -m heavy`` runs it): the same loss rewritten without XLA, its
+gradient rebuilt, is test_variables_equal_after_three_adam_steps[<case>-False]'s, which compares the
+loss of three steps and Adam's slots (the gradients' moments) and variables at 1e-10; the gradients
+as the function's outputs are test_loss_and_every_gradient_equal_to_the_step_as_written[<case>-True]'s.
 """
 
 import numpy as np
@@ -25,6 +32,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tf_memsafe
+from tests.xla_run import run_and_measure
+from tf_memsafe import hook
 
 pytestmark = pytest.mark.slow
 
@@ -215,8 +224,9 @@ def assert_close(got, expected, rtol=1e-10):
         assert np.linalg.norm(g - e) <= rtol * np.linalg.norm(e), (np.linalg.norm(g - e) / np.linalg.norm(e), g, e)
 
 
-@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.heavy)])
 def test_loss_and_every_gradient_equal_to_the_step_as_written(case, jit):
+    """``jit=False`` is ``heavy`` (see the module's docstring: the Adam test's ``jit=False`` case checks it)."""
     naive = tf.function(loss_and_grads_fn(case, fresh_variables(case)), jit_compile=jit)
     expected = naive(*case.inputs)
     tf_memsafe.enable(case.limit, strict=True, rewrite_non_jit=True)
@@ -227,38 +237,63 @@ def test_loss_and_every_gradient_equal_to_the_step_as_written(case, jit):
     assert_close(got, expected)
 
 
+def three_adam_steps(case, jit, enabled):
+    """Three Adam steps from the case's start, as written or (``enabled``) rewritten under its limit: the
+    losses, the variables, the optimizer's variables, XLA's figure for the first call's program (with
+    ``jit``: tests/xla_run.py) and the splitter's records."""
+    mark = hook.report_mark()
+    if enabled:
+        tf_memsafe.enable(case.limit, strict=True, rewrite_non_jit=True, verify=True)
+    try:
+        variables = fresh_variables(case)
+        step, optimizer = adam_step_fn(case, variables)
+        step = tf.function(step, jit_compile=jit)
+        first, figure = run_and_measure(step, *case.inputs) if jit else (step(*case.inputs), None)
+        losses = [float(first)] + [float(step(*case.inputs)) for _ in range(STEPS - 1)]
+    finally:
+        tf_memsafe.disable()
+    records = [r for rep in hook.reports_since(mark) for r in rep.records if r.pass_name == "splitter"]
+    return {"losses": losses, "variables": [v.numpy() for v in variables],
+            "slots": [v.numpy() for v in optimizer.variables()], "bytes": figure, "records": records}
+
+
+@pytest.fixture(scope="module")
+def jit_adam(case):
+    """The jit-compiled Adam step as written and rewritten (``three_adam_steps``), once per case: read by
+    test_variables_equal_after_three_adam_steps[<case>-True] and test_whole_step_fits_the_limit_and_runs.
+    (A module fixture is made before the tests' own set-up: it disables tf_memsafe itself, and turns
+    the verifier on as conftest's does.)"""
+    tf_memsafe.disable()
+    return {"naive": three_adam_steps(case, True, False), "split": three_adam_steps(case, True, True)}
+
+
+def assert_rebuilt(records):
+    """``assert_rebuilt_by_the_splitter`` on records kept by ``three_adam_steps``."""
+    rebuilt = [r for r in records if r.action == "rewritten" and r.plan.rebuilt_gradients]
+    assert rebuilt, [f"{r.action}: {r.reason}" for r in records]
+
+
 @pytest.mark.parametrize("jit", [True, False])
-def test_variables_equal_after_three_adam_steps(case, jit):
+def test_variables_equal_after_three_adam_steps(case, jit, request):
     """The update reads the rebuilt gradients; Adam's slots and the variables end as unrewritten."""
-    naive_variables = fresh_variables(case)
-    naive_step, naive_optimizer = adam_step_fn(case, naive_variables)
-    naive_step = tf.function(naive_step, jit_compile=jit)
-    naive_losses = [float(naive_step(*case.inputs)) for _ in range(STEPS)]
-    tf_memsafe.enable(case.limit, strict=True, rewrite_non_jit=True)
-    split_variables = fresh_variables(case)
-    split_step, split_optimizer = adam_step_fn(case, split_variables)
-    split_step = tf.function(split_step, jit_compile=jit)
-    split_losses = [float(split_step(*case.inputs)) for _ in range(STEPS)]
-    assert_rebuilt_by_the_splitter()
-    np.testing.assert_allclose(split_losses, naive_losses, rtol=1e-10)
-    assert naive_losses[-1] != naive_losses[0]                               # the steps did train
-    assert_close([v.numpy() for v in split_variables], [v.numpy() for v in naive_variables])
-    assert_close([v.numpy() for v in split_optimizer.variables()],
-                 [v.numpy() for v in naive_optimizer.variables()])
+    if jit:
+        naive, split = request.getfixturevalue("jit_adam").values()
+    else:
+        naive, split = three_adam_steps(case, False, False), three_adam_steps(case, False, True)
+    assert_rebuilt(split["records"])
+    np.testing.assert_allclose(split["losses"], naive["losses"], rtol=1e-10)
+    assert naive["losses"][-1] != naive["losses"][0]                         # the steps did train
+    assert_close(split["variables"], naive["variables"])
+    assert_close(split["slots"], naive["slots"])
 
 
-def test_whole_step_fits_the_limit_and_runs(case):
-    """XLA's figure for the whole Adam step (tape inside): naive > 10x the limit, rewritten within it."""
-    variables = fresh_variables(case)
-    step, _ = adam_step_fn(case, variables)
-    tf_memsafe.enable(case.limit)
-    before = tf_memsafe.memory_footprint(step, *case.inputs, rewrite=False)
-    after = tf_memsafe.memory_footprint(step, *case.inputs)
-    assert_rebuilt_by_the_splitter()
-    assert before > 10 * case.limit, f"the case must need splitting: {before:,} B"
-    assert after <= case.limit, (f"{after:,} B over the limit of {case.limit:,} B",
-                                 [f"{r.action}: {r.reason}" for r in splitter_records()])
-    initial = [v.numpy() for v in variables]
-    loss = tf.function(step, jit_compile=True)(*case.inputs)
-    assert np.isfinite(loss.numpy())
-    assert all(not np.array_equal(v.numpy(), i) for v, i in zip(variables, initial))
+def test_whole_step_fits_the_limit_and_runs(case, jit_adam):
+    """XLA's figure for the whole Adam step (tape inside): naive > 10x the limit, rewritten within it;
+    the rewritten step ran, to a finite loss, and moved every variable."""
+    naive, split = jit_adam["naive"], jit_adam["split"]
+    assert_rebuilt(split["records"])
+    assert naive["bytes"] > 10 * case.limit, f"the case must need splitting: {naive['bytes']:,} B"
+    assert split["bytes"] <= case.limit, (f"{split['bytes']:,} B over the limit of {case.limit:,} B",
+                                          [f"{r.action}: {r.reason}" for r in split["records"]])
+    assert np.isfinite(split["losses"][0])
+    assert all(not np.array_equal(v, np.asarray(i)) for v, i in zip(split["variables"], case.initial))

@@ -8,7 +8,9 @@ attention), the decoder's self-attention causal.  Each attention's scores are
 below a single score tensor, so nothing fits without splitting the attentions along the queries.
 
 The training step (Adam, tape inside) is split too, under a limit that leaves room for the
-activations every layer keeps for its backward.
+activations every layer keeps for its backward; its comparison with the step as written (the naive
+step's own compile, about 25 s) is ``heavy``, with the tape outside and Keras' ``fit`` (see their
+docstrings).
 """
 
 import re
@@ -85,7 +87,17 @@ def test_batch_is_padded_and_the_padding_mask_reaches_the_model(net, batch):
     np.testing.assert_array_equal(embedded._keras_mask.numpy(), context.numpy() != 0)
 
 
-def test_forward_equals_naive_and_fits_the_limit(net, batch):
+@pytest.fixture(scope="module")
+def naive_forward(net, batch):
+    """The forward as written, jit-compiled, and XLA's figure for it (tests/xla_run.py): the reference
+    of both forward tests below."""
+    (context, target_in), _ = batch
+    tf_memsafe.disable()
+    return run_and_measure(tf.function(lambda c, t: net((c, t), training=False), jit_compile=True),
+                           context, target_in)
+
+
+def test_forward_equals_naive_and_fits_the_limit(net, batch, naive_forward):
     """Every attention (encoder self, decoder causal self, cross) split along its queries, in two or
     three loops: 71 MB -> <= 12 MB."""
     (context, target_in), _ = batch
@@ -94,7 +106,7 @@ def test_forward_equals_naive_and_fits_the_limit(net, batch):
         return net((c, t), training=False)
 
     # (XLA's figures of the very programs run: tests/xla_run.py)
-    expected, naive_bytes = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
+    expected, naive_bytes = naive_forward
     tf_memsafe.enable(LIMIT, strict=True)
     got, after = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
     splits = splitter_rewrites()
@@ -104,7 +116,7 @@ def test_forward_equals_naive_and_fits_the_limit(net, batch):
     assert after <= LIMIT, (after, [r.reason for r in splits])
 
 
-def test_a_program_the_model_puts_within_the_limit_is_checked_with_xla_and_split(net, batch):
+def test_a_program_the_model_puts_within_the_limit_is_checked_with_xla_and_split(net, batch, naive_forward):
     """The memory model counts the forward at 35 MB (its schedule: one attention after another);
     XLA interleaves the encoder's and the decoder's self-attention and needs 71 MB.  Under 48 MB,
     the model alone would leave the program as it is (35 MB is within 80 % of the limit); compiled
@@ -115,7 +127,7 @@ def test_a_program_the_model_puts_within_the_limit_is_checked_with_xla_and_split
         return net((c, t), training=False)
 
     limit = 48 * 10**6
-    expected, naive_bytes = run_and_measure(tf.function(forward, jit_compile=True), context, target_in)
+    expected, naive_bytes = naive_forward
     tf_memsafe.enable(limit, strict=True, check_programs=False)
     tf.function(forward, jit_compile=True).get_concrete_function(context, target_in)
     assert not splitter_rewrites() and any(r.startswith("already within the limit") for r in splitter_skips())
@@ -154,39 +166,62 @@ def test_gradients_with_the_tape_outside_equal_naive(net, batch):
     assert_close(loss_and_grads(split), expected)
 
 
-@pytest.fixture(scope="module")
-def training(batch):
-    """Two Adam steps (tape inside, user-written jit step) naive and with tf_memsafe at LIMIT, from the same weights."""
+def _two_adam_steps(batch, limit):
+    """Two Adam steps (tape inside, user-written jit step) from the seeded weights, as written (``limit``
+    None) or with tf_memsafe at ``limit``: losses, weights, XLA's figure for the step, splitter records."""
     (context, target_in), labels = batch
-    out = {}
-    for variant in ("naive", "tf_memsafe"):
-        net = build()
-        step = model.train_step(net, keras.optimizers.Adam(1e-3))
-        if variant == "tf_memsafe":
-            tf_memsafe.enable(TRAIN_LIMIT)
+    net = build()
+    step = model.train_step(net, keras.optimizers.Adam(1e-3))
+    tf_memsafe.disable()
+    hook.clear_reports()
+    if limit is not None:
+        tf_memsafe.enable(limit)
+    try:
         with xla_flags.dump_all_compiles(in_memory=True) as folder:    # XLA's figure for the step it compiles and runs
             losses = [float(step(context, target_in, labels)) for _ in range(2)]
             compiled = [total for name, total in xla_flags.memory_reports(folder) if "step" in name]
-        footprint = max(compiled)
-        out[variant] = {"losses": losses, "weights": [v.numpy() for v in net.trainable_variables],
-                        "bytes": footprint, "splits": len(splitter_rewrites()),
-                        "attentions": attentions_in_loops(splitter_rewrites()), "skips": splitter_skips()}
+        return {"losses": losses, "weights": [v.numpy() for v in net.trainable_variables],
+                "bytes": max(compiled), "splits": len(splitter_rewrites()),
+                "attentions": attentions_in_loops(splitter_rewrites()), "skips": splitter_skips()}
+    finally:
         tf_memsafe.disable()
-    return out
 
 
-def test_training_step_trains_the_same(training):
-    """Whatever tf_memsafe does to the step, the losses and the updated weights are the naive ones."""
-    naive, tfms = training["naive"], training["tf_memsafe"]
+@pytest.fixture(scope="module")
+def split_training(batch):
+    """The training step with tf_memsafe at TRAIN_LIMIT (``_two_adam_steps``)."""
+    return _two_adam_steps(batch, TRAIN_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def naive_training(batch):
+    """The training step as written, from the same weights (``_two_adam_steps``)."""
+    return _two_adam_steps(batch, None)
+
+
+@pytest.mark.heavy
+def test_training_step_trains_the_same(naive_training, split_training):
+    """Whatever tf_memsafe does to the step, the losses and the updated weights are the naive ones.
+
+    ``heavy`` (about 25 s beside test_training_step_fits_the_limit, whose split step it shares; 100 s
+    alone; ``python -m tests -m heavy`` runs it): a user-written jit Adam step (tape inside) of an
+    attention with a causal or a padding mask, split, with the naive losses, variables and Adam's slots
+    is tests/integration/test_training_steps.py's test_variables_equal_after_three_adam_steps
+    (causal_attention, padding_attention); Keras' ``MultiHeadAttention`` trained split with the naive
+    losses test_keras_attention.py's test_training_step_fits_and_trains_the_same; an embedding's sparse
+    Adam update in a split step, the table bit for bit the naive one's, test_dynamic_batches.py's
+    test_an_embedding_on_batches_of_unknown_size_keeps_its_sparse_update; this step split within its
+    limit test_training_step_fits_the_limit below."""
+    naive, tfms = naive_training, split_training
     np.testing.assert_allclose(tfms["losses"], naive["losses"], rtol=1e-5)
     assert_close(tfms["weights"], naive["weights"])
     assert naive["bytes"] > 3 * TRAIN_LIMIT
 
 
-def test_training_step_fits_the_limit(training):
+def test_training_step_fits_the_limit(split_training):
     """Embedding gradients are IndexedSlices and Adam's sparse update has dynamic shapes: the three
     attentions are split all the same, their gradients rebuilt, and the whole step fits."""
-    tfms = training["tf_memsafe"]
+    tfms = split_training
     assert len(tfms["attentions"]) == 3 and tfms["bytes"] <= TRAIN_LIMIT, (tfms["bytes"], tfms["skips"][:2])
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_memsafe
+from tests.xla_run import run_and_measure
 
 N = 1200
 
@@ -39,16 +40,15 @@ def test_the_affinities_total_and_the_divergence_are_each_a_loop_over_the_rows()
     affinity /= affinity.sum(1, keepdims=True)
     p = tf.constant((affinity + affinity.T) / (2 * N))
     y = tf.constant(1e-2 * rng.standard_normal((N, 2)))
-    naive = tf_memsafe.memory_footprint(step, p, y, rewrite=False)
-    want = tf.function(step, jit_compile=True)(p, y)
+    # (XLA's figures of the very programs run: tests/xla_run.py)
+    want, naive = run_and_measure(tf.function(step, jit_compile=True), p, y)
     limit = int(1.5 * N * N * 8)
     assert naive > 4 * limit, naive
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tf_memsafe.enable(limit)
         try:
-            got = tf.function(step, jit_compile=True)(p, y)
-            after = tf_memsafe.memory_footprint(step, p, y)
+            got, after = run_and_measure(tf.function(step, jit_compile=True), p, y)
         finally:
             tf_memsafe.disable()
     said = [str(w.message) for w in caught if "tf_memsafe" in str(w.message)]

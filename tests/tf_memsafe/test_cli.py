@@ -1,6 +1,10 @@
 """``python -m tf_memsafe``: runs a script or module unchanged, then summarises; bad input, one line.
 
-Each test starts a Python process (TensorFlow's import costs seconds), so there are few of them.
+A script's run and a module's each start a Python process (TensorFlow's import costs seconds), so there
+are two of them; they also show that ``python -m tf_memsafe`` is ``main()`` and keeps the exit status.
+Everything refused before the target starts (``--help``, a missing script, a bad limit, an unknown pass)
+is checked by calling ``main()`` in this process: it exits in argument parsing, before anything is
+enabled or run, so what it writes and its exit status are the process's.
 """
 
 import os
@@ -39,17 +43,19 @@ def run_cli(*args, cwd, pythonpath=None):
                           capture_output=True, text=True, timeout=300)
 
 
-def our_lines(stderr: str) -> list[str]:
-    """Our error lines, without TensorFlow's start-up logging."""
-    return [line for line in stderr.splitlines() if line.startswith(f"{PROG}:")]
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    """``main(argv)`` in this process, which must exit before running anything: its exit status, stdout
+    and stderr (a Traceback would be an exception other than SystemExit, failing the test here)."""
+    from tf_memsafe.__main__ import main
 
-
-def test_help_documents_the_options(tmp_path):
-    proc = run_cli("--help", cwd=tmp_path)
-    assert proc.returncode == 0
-    for option in ("--memory-limit", "--explain", "--disable-pass", "--strict", "--redraw-random", "--no-measure",
-                   "-m MODULE"):
-        assert option in proc.stdout
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code
+    else:
+        raise AssertionError(f"main({argv}) returned instead of exiting")
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_script_runs_unchanged_with_its_args_and_a_summary_follows(tmp_path):
@@ -78,38 +84,47 @@ def test_module_gets_its_args_and_its_exit_status_is_kept(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_script_is_one_line_error(tmp_path):
-    proc = run_cli("--memory-limit", "4GB", "no_such_script.py", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert our_lines(proc.stderr) == [f"{PROG}: error: can't open file 'no_such_script.py': no such file "
-                                      "(see --help)"]
-    assert "Traceback" not in proc.stderr
-
-
-def test_bad_memory_limit_names_the_accepted_forms(tmp_path):
-    (tmp_path / "script.py").write_text("print('must not run')\n")
-    proc = run_cli("--memory-limit", "4 gigs", "script.py", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    (line,) = our_lines(proc.stderr)
-    assert "invalid memory limit '4 gigs'" in line and "'4GB'" in line and "GiB" in line and "'80%'" in line
-    assert "Traceback" not in proc.stderr
-
-
-def test_unknown_pass_is_one_line_error_and_the_script_does_not_run(tmp_path):
-    """Issue 27, item 5: a typo in --disable-pass used to run the splitter anyway, with exit status 0."""
-    (tmp_path / "script.py").write_text("print('must not run')\n")
-    proc = run_cli("--memory-limit", "4GB", "--disable-pass", "spliter", "script.py", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    assert our_lines(proc.stderr) == [
-        f"{PROG}: error: argument --disable-pass: unknown pass 'spliter' (did you mean 'splitter'?); "
-        f"known passes: {', '.join(sorted(DEFAULT_ORDER))} (see --help)"]
-    assert "Traceback" not in proc.stderr
-
-
 class TestInProcess:
     """Argument handling that exits before anything runs: no process needed."""
+
+    def test_help_documents_the_options(self, capsys):
+        code, out, _ = run_main(["--help"], capsys)
+        assert code == 0
+        for option in ("--memory-limit", "--explain", "--disable-pass", "--strict", "--redraw-random",
+                       "--no-measure", "-m MODULE"):
+            assert option in out
+        assert out.startswith(f"usage: {PROG} [options] script.py [args ...]")
+        assert not tf_memsafe.is_enabled()
+
+    def test_missing_script_is_one_line_error(self, tmp_path, monkeypatch, capsys):
+        monkeypatch.chdir(tmp_path)
+        code, out, err = run_main(["--memory-limit", "4GB", "no_such_script.py"], capsys)
+        assert code == 2 and out == ""
+        assert err == f"{PROG}: error: can't open file 'no_such_script.py': no such file (see --help)\n"
+        assert not tf_memsafe.is_enabled()
+
+    def test_bad_memory_limit_names_the_accepted_forms(self, tmp_path, monkeypatch, capsys):
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "script.py").write_text("print('must not run')\n")
+        code, out, err = run_main(["--memory-limit", "4 gigs", "script.py"], capsys)
+        assert code == 2
+        assert out == ""
+        (line,) = err.splitlines()
+        assert line.startswith(f"{PROG}: error: ")
+        assert "invalid memory limit '4 gigs'" in line and "'4GB'" in line and "GiB" in line and "'80%'" in line
+        assert not tf_memsafe.is_enabled()
+
+    def test_unknown_pass_is_one_line_error_and_the_script_does_not_run(self, tmp_path, monkeypatch, capsys):
+        """Issue 27, item 5: a typo in --disable-pass used to run the splitter anyway, with exit status 0."""
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "script.py").write_text("print('must not run')\n")
+        code, out, err = run_main(["--memory-limit", "4GB", "--disable-pass", "spliter", "script.py"], capsys)
+        assert code == 2
+        assert out == ""
+        assert err.splitlines() == [
+            f"{PROG}: error: argument --disable-pass: unknown pass 'spliter' (did you mean 'splitter'?); "
+            f"known passes: {', '.join(sorted(DEFAULT_ORDER))} (see --help)"]
+        assert not tf_memsafe.is_enabled()
 
     def test_unknown_flag_is_one_line_error(self, tmp_path, capsys):
         from tf_memsafe.__main__ import main

@@ -113,8 +113,17 @@ class TestOptions:
             tf_memsafe.enable("8MB", disabled_passes=["spliter"])
 
 
+@pytest.mark.heavy
 def test_the_users_xla_flags_are_kept_byte_for_byte():
-    """Values with `.*`, `=` and a quoted path with a space, as XLA itself splits them."""
+    """Values with `.*`, `=` and a quoted path with a space, as XLA itself splits them.
+
+    ``heavy`` (about 5 s, a child process importing TensorFlow; ``python -m tests -m heavy`` runs it).
+    By default, tests/tf_memsafe/test_memory.py::test_the_users_dump_flags_work_with_tf_memsafe_as_without_it
+    imports tf_memsafe in a child under such a value (`.*`, `=`, a quoted path with a space) and finds
+    XLA_FLAGS the user's value byte for byte behind the reset flag; tests/tf_memsafe/test_xla_flags.py
+    (``TestTheUsersValueIsKeptByteForByte::test_import_puts_only_the_reset_flag_in_front``) reads
+    ``user_value()`` back unchanged after what the import does, and
+    (``TestXlaSplitsTheValue::test_each_flag_as_xla_reads_it_and_as_written``) splits such values as XLA does."""
     value = '--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=a=b --xla_dump_to="/tmp/my dumps"'
     code = ("import os; os.environ['XLA_FLAGS'] = " + repr(value) + "; import tf_memsafe; "
             "from tf_memsafe import xla_flags; print(repr(xla_flags.user_value()))")

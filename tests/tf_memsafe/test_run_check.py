@@ -216,9 +216,10 @@ class TestWhatIsWatched:
     @pytest.mark.parametrize("redraw", [False, True], ids=["draw_kept", "redraw_random"])
     def test_a_random_draw_that_stops_every_region_is_said_with_the_option_that_splits_it(self, redraw):
         """Kernel sums weighted by a stateless draw of their shape: no region goes through the draw, so
-        nothing is split, and 10^5 rows are over the limit.  The warning advises ``redraw_random`` first
-        (static shapes would be planned alike, stopped by the draw); with the option on, the loop draws
-        the weights again by slice, and 10^5 rows are within the limit."""
+        nothing is split, and 2 x 10^4 rows are over the limit (their [20,000, 2,000] kernel is 160 MB).
+        The warning advises ``redraw_random`` first (static shapes would be planned alike, stopped by the
+        draw); with the option on, the loop draws the weights again by slice, and 2 x 10^4 rows are within
+        the limit."""
         tf_memsafe.enable(LIMIT, redraw_random=redraw)
 
         @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, 3])])
@@ -228,12 +229,12 @@ class TestWhatIsWatched:
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sums(tf.zeros([100_000, 3]))
+            sums(tf.zeros([20_000, 3]))
         if redraw:
             assert said(caught) == [] and not the_report().run_checks[0].over, said(caught)
             return
         (message,) = said(caught)
-        assert "nothing in it was split; it runs at [100,000, 3]" in message, message
+        assert "nothing in it was split; it runs at [20,000, 3]" in message, message
         assert ("A random draw (`stateless_random_uniform/StatelessRandomUniformV2`) stops the regions through it: "
                 "enable tf_memsafe with redraw_random=True" in message), message
         assert "Otherwise, give the function the shapes it runs at" in message, message

@@ -21,14 +21,6 @@ BAD_VALUE = "--xla_cpu_use_thunk_runtime=banana"
 
 
 @pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    """An empty in-memory and on-disk validation cache, private to the test."""
-    monkeypatch.setenv("TF_MEMSAFE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(xla_flags, "_memory_cache", {})
-    return tmp_path
-
-
-@pytest.fixture
 def known(monkeypatch):
     """Pretend these flags were validated already (no child process); returns the setter."""
     cache = {}
@@ -46,27 +38,49 @@ def restore_env():
     xla_flags._ours.clear()
 
 
-def test_validation_names_each_rejected_flag_and_why(fresh_cache):
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    """One real validation of a good flag, an unknown name and a malformed value, from an empty cache:
+    its results, the in-memory cache it left and its on-disk cache's folder.  Four children (the batch,
+    the batch less the unknown name, then each of the two left alone), shared by the tests below (a
+    child process costs seconds: TensorFlow's import and a compile)."""
+    folder = tmp_path_factory.mktemp("xla_flags_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TF_MEMSAFE_CACHE_DIR", str(folder))
+        memory = {}
+        mp.setattr(xla_flags, "_memory_cache", memory)
+        found = xla_flags.validate([GOOD, UNKNOWN, BAD_VALUE])
+    return found, dict(memory), folder
+
+
+def test_validation_names_each_rejected_flag_and_why(validated):
     """One batch with a good flag, an unknown name and a malformed value: each judged on its own."""
-    found = xla_flags.validate([GOOD, UNKNOWN, BAD_VALUE])
+    found, _, _ = validated
+    assert list(found) == [GOOD, UNKNOWN, BAD_VALUE]
     assert found[GOOD] is None
     assert found[UNKNOWN] == "unknown to this TensorFlow build's XLA"
     assert found[BAD_VALUE].startswith("rejected by XLA's flag parser")
 
 
-def test_results_are_cached_in_memory_and_on_disk(fresh_cache, monkeypatch):
-    assert xla_flags.validate([UNKNOWN])[UNKNOWN] is not None
-    assert any(p.name.startswith("xla_flags-") for p in fresh_cache.iterdir())
+def test_results_are_cached_in_memory_and_on_disk(validated, monkeypatch):
+    found, memory, folder = validated
+    assert any(p.name.startswith("xla_flags-") for p in folder.iterdir())
 
     def no_child(flags):
         raise AssertionError(f"a cached flag was probed again: {flags}")
 
     monkeypatch.setattr(xla_flags, "_probe", no_child)
+    monkeypatch.setenv("TF_MEMSAFE_CACHE_DIR", str(folder))
+    assert memory == found
+    monkeypatch.setattr(xla_flags, "_memory_cache", dict(memory))       # the same process: its memory
+    assert xla_flags.validate([BAD_VALUE, GOOD]) == {BAD_VALUE: found[BAD_VALUE], GOOD: None}
     monkeypatch.setattr(xla_flags, "_memory_cache", {})  # a new process: only the disk cache remains
     assert xla_flags.validate([UNKNOWN])[UNKNOWN] == "unknown to this TensorFlow build's XLA"
+    assert xla_flags.validate([GOOD, BAD_VALUE]) == {GOOD: None, BAD_VALUE: found[BAD_VALUE]}
 
 
 def test_a_rejected_flag_raises_before_anything_is_set(known, restore_env):
+    known(GOOD)                                 # (judged already: no child process)
     xla_flags._memory_cache[UNKNOWN] = "unknown to this TensorFlow build's XLA"
     before = os.environ["XLA_FLAGS"]
     with pytest.raises(xla_flags.InvalidFlagError, match="no_such_flag.*nothing was set"):
@@ -137,8 +151,10 @@ class TestExlaPassThrough:
 
 
 @pytest.mark.slow
-def test_an_invalid_flag_never_reaches_the_process(tmp_path):
-    """Without validation this child would die at its compile; with it, it gets an error and goes on."""
+def test_an_invalid_flag_never_reaches_the_process(validated):
+    """Without validation this child would die at its compile; with it, it gets an error and goes on.
+    The child reads the validation cache the ``validated`` fixture's real children wrote (as a later
+    process of the same build would), so it starts no probe of its own."""
     code = f"""
         import tensorflow as tf, tf_memsafe
         from tf_memsafe import xla_flags
@@ -148,7 +164,7 @@ def test_an_invalid_flag_never_reaches_the_process(tmp_path):
             print("REFUSED", e)
         print("RESULT", float(tf.function(lambda a: a + 1.0, jit_compile=True)(tf.ones([2]))[0]))
     """
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_MEMSAFE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_MEMSAFE_CACHE_DIR=str(validated[2]))
     env.pop("XLA_FLAGS", None)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                          timeout=240)

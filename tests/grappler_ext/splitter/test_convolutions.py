@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_memsafe
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook
 
 RNG = np.random.default_rng(0)
@@ -30,13 +31,11 @@ def _step(x):
 
 
 def _split(fn, divisor):
-    naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
-    want = tf.function(fn, jit_compile=True)(X)
-    mark = hook.report_mark()
+    want, naive = run_and_measure(tf.function(fn, jit_compile=True), X)      # (XLA's figures for the
+    mark = hook.report_mark()                                                   # compiles the calls made)
     tf_memsafe.enable(naive // divisor, strict=True)
     try:
-        got = tf.function(fn, jit_compile=True)(X)
-        after = tf_memsafe.memory_footprint(fn, X)
+        got, after = run_and_measure(tf.function(fn, jit_compile=True), X)
     finally:
         tf_memsafe.disable()
     plans = [r.plan for r in hook.reports_since(mark)[0].records
@@ -72,11 +71,18 @@ def test_convolution_and_pooling_along_the_batch(pool):
     assert any(p.length == 8 for p in plans), [p.render() for p in plans]
 
 
-@pytest.mark.parametrize("version", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("version", ["keras3", pytest.param("tf_keras", marks=pytest.mark.heavy)])
 def test_batch_normalisation_in_a_training_step_along_the_channels(version):
     """Convolution, batch normalisation in training (statistics over the batch: the batch cannot be
     split), ReLU, convolution: split along the hidden channels, the moving statistics updated slice by
-    slice, the normalisation's gradient rebuilt in the loop; loss, gradients and moving statistics equal."""
+    slice, the normalisation's gradient rebuilt in the loop; loss, gradients and moving statistics equal.
+
+    The ``tf_keras`` case is ``heavy`` (about 12 s; ``python -m tests -m heavy`` runs it): the step, its
+    split along the channels and its moving statistics are checked by the ``keras3`` case of this test;
+    tf_keras' own op, ``FusedBatchNormV3`` in training (NHWC), split along the channels and its gradient
+    ``FusedBatchNormGradV3``, by tests/grappler_ext/splitter/test_rules.py's
+    ``test_rule_computes_exactly_the_slice`` (its ``FusedBatchNormV3-NHWC`` and ``FusedBatchNormGradV3``
+    cases)."""
     from tests.integration.keras_fit import keras_of
 
     keras = keras_of(version)
@@ -103,16 +109,14 @@ def test_batch_normalisation_in_a_training_step_along_the_channels(version):
         return step, weights + stats, x
 
     step, variables, x = build()
-    naive = tf_memsafe.memory_footprint(step, x, rewrite=False)
-    want = tf.function(step, jit_compile=True)(x)
+    want, naive = run_and_measure(tf.function(step, jit_compile=True), x)    # (the calls' compiles)
     want_vars = [v.numpy() for v in variables]
     step, variables, x = build()
     mark = hook.report_mark()
     tf_memsafe.enable(naive // 8, strict=True)
     try:
-        got = tf.function(step, jit_compile=True)(x)
+        got, after = run_and_measure(tf.function(step, jit_compile=True), x)
         got_vars = [v.numpy() for v in variables]
-        after = tf_memsafe.memory_footprint(step, x)
     finally:
         tf_memsafe.disable()
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
@@ -146,13 +150,11 @@ def test_dilated_convolutions_are_split_along_the_batch():
 
     traced = tf.function(step, jit_compile=True).get_concrete_function(x, y).graph
     assert {"SpaceToBatchND", "BatchToSpaceND"} <= {op.type for op in traced.get_operations()}
-    naive = tf_memsafe.memory_footprint(step, x, y, rewrite=False)
-    want = tf.function(step, jit_compile=True)(x, y)
+    want, naive = run_and_measure(tf.function(step, jit_compile=True), x, y)  # (the calls' compiles)
     mark = hook.report_mark()
     tf_memsafe.enable(naive // 6)
     try:
-        got = tf.function(step, jit_compile=True)(x, y)
-        after = tf_memsafe.memory_footprint(step, x, y)
+        got, after = run_and_measure(tf.function(step, jit_compile=True), x, y)
     finally:
         tf_memsafe.disable()
     plans = [r.plan for r in hook.reports_since(mark)[0].records

@@ -23,6 +23,7 @@ from grappler_ext.splitter import Splitter, Tuning, lengths, nominal, rules, sca
 from grappler_ext.splitter.outcome import Code, LoopPlan, RootSplit, Sizing
 from grappler_ext.splitter.slicing import UNIT, Factor, clamped_slice, factored_slice, join_slices
 from tests.fakes import FakeMeasurer, always_split
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook, memory
 from tf_memsafe.memory import XlaMeasurer
 
@@ -111,11 +112,7 @@ def test_forward_equals_unsplit_at_every_length(name):
 def test_xla_figure_at_a_concrete_length_is_within_the_limit():
     f, plans = _split(kernel_matvec)
     n = 20 * plans[0].chunk
-    tf_memsafe.enable(LIMIT)
-    try:
-        after = tf_memsafe.memory_footprint(f, tf.TensorSpec([n, 3]))
-    finally:
-        tf_memsafe.disable()
+    _, after = run_and_measure(f, tf.zeros([n, 3]))        # (XLA's figure for the compile the call made)
     before = tf_memsafe.memory_footprint(f, tf.TensorSpec([n, 3]), rewrite=False)
     assert before > 5 * LIMIT
     assert after <= LIMIT
@@ -193,7 +190,7 @@ def test_a_knn_between_two_run_time_sizes_is_split():
             q, p = (tf.constant(np.random.RandomState(k).randn(k, 3).astype(np.float32)) for k in (n, m))
             _close(f(q, p), naive(q, p), f"[{n}, {m}]")
         spec = [tf.TensorSpec([3000, 3]), tf.TensorSpec([2000, 3])]
-        after = tf_memsafe.memory_footprint(f, *spec)
+        _, after = run_and_measure(f, *(tf.zeros(s.shape) for s in spec))    # (the call's compile there)
     finally:
         tf_memsafe.disable()
     assert any(r.code == Code.SPLIT for r in records), [r.reason for r in records]
@@ -245,12 +242,9 @@ def _batch(b, n):
 
 
 def _split_figure(f, limit, b, n) -> int:
-    """XLA's figure for the rewritten ``f`` compiled at [b, n, E] under ``limit``."""
-    tf_memsafe.enable(limit)
-    try:
-        return tf_memsafe.memory_footprint(f, tf.TensorSpec([b, n, E]))
-    finally:
-        tf_memsafe.disable()
+    """XLA's figure for the rewritten ``f`` compiled at [b, n, E] (the one trace, planned under ``limit``):
+    that of the compile its first call at that shape makes."""
+    return run_and_measure(f, _batch(b, n))[1]
 
 
 @pytest.mark.parametrize("fn", [attention, attention_loss, attention_step], ids=lambda f: f.__name__)
@@ -409,7 +403,8 @@ def test_a_loop_along_a_run_time_batch_is_grown_by_its_figure_and_runs_at_that_c
             x = tf.constant(rng.randn(20, 64, 16).astype(np.float32))       # (planned at 41)
             hlo = f.experimental_get_compiler_ir(x)(stage="hlo")
             assert f"f32[{plan.backward_chunk},64,512]" in hlo and "f32[1,64,512]" not in hlo
-            assert tf_memsafe.memory_footprint(f, tf.TensorSpec([20, 64, 16])) <= limit
+            _, figure = run_and_measure(f, x)             # (XLA's figure for the compile the call made)
+            assert figure <= limit, (figure, limit)
     finally:
         tf_memsafe.disable()
     naive = tf.function(dense_step, jit_compile=True)
@@ -719,7 +714,7 @@ def test_a_padded_batch_attention_with_dropout_draws_by_slice(draw):
         records = _records("dropped_step")
         checked = memory.graph_bytes(traced, [(4, 512, E)])     # (the copy the splitter checks; raised before)
         loss, grad = f(_batch(2, 300))
-        after = {shape: tf_memsafe.memory_footprint(f, tf.TensorSpec([*shape, E])) for shape in ((4, 512), (2, 1024))}
+        after = {shape: run_and_measure(f, _batch(*shape))[1] for shape in ((4, 512), (2, 1024))}   # (calls compile)
     finally:
         tf_memsafe.disable()
     assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import tf_memsafe
 from grappler_ext.splitter.outcome import Code
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook
 
 
@@ -32,15 +33,13 @@ def test_an_embedding_and_a_convolution_split_around_the_lookup():
         assert isinstance(grads[0], tf.IndexedSlices)
         return [loss, tf.convert_to_tensor(grads[0]), *grads[1:]]
 
-    naive = tf_memsafe.memory_footprint(step, ids, rewrite=False)
-    want = tf.function(step, jit_compile=True)(ids)
+    want, naive = run_and_measure(tf.function(step, jit_compile=True), ids)    # (the calls' compiles)
     mark = hook.report_mark()
     tf_memsafe.enable(naive // 4)
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
-            got = tf.function(step, jit_compile=True)(ids)
-        after = tf_memsafe.memory_footprint(step, ids)
+            got, after = run_and_measure(tf.function(step, jit_compile=True), ids)
     finally:
         tf_memsafe.disable()
     assert not any("exactly as traced" in str(w.message) for w in said), [str(w.message) for w in said]

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_memsafe
 from grappler_ext.splitter.outcome import Code
 from tests.fakes import always_split
+from tests.xla_run import run_and_measure
 
 B, L, D, E = 16, 256, 64, 1024
 rng = np.random.default_rng(0)
@@ -62,9 +63,9 @@ def split_under(limit: int, fn, x):
     trace and XLA's figure for it rewritten."""
     tf_memsafe.enable(limit, strict=True)
     try:
-        got = tf.function(fn, jit_compile=True)(x)
+        got, figure = run_and_measure(tf.function(fn, jit_compile=True), x)    # (the call's compile)
         records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
-        return got, records, tf_memsafe.memory_footprint(fn, x)
+        return got, records, figure
     finally:
         tf_memsafe.disable()
 
@@ -118,22 +119,24 @@ def test_a_loop_through_merged_rows_of_run_time_sizes(fn):
     it reads when the function runs (and computes those ``tf.shape`` reads itself); within the limit
     by XLA's figure at the shape it was sized from, equal to the unsplit function at that shape and
     at another."""
-    naive = tf_memsafe.memory_footprint(fn, X, rewrite=False)
+    naive_fn = tf.function(fn, jit_compile=True)
+    wants = [run_and_measure(naive_fn, X)]                  # (XLA's figures for the compiles the calls made)
+    naive = wants[0][1]
     limit = naive // 4
     other = X[:5, :100]
     tf_memsafe.enable(limit, strict=True)
     try:
         padded = tf.function(fn, jit_compile=True, input_signature=[tf.TensorSpec([None, None, D])])
         with always_split():                    # (the smaller shape fits as written)
-            got = [padded(X), padded(other)]
+            first, after = run_and_measure(padded, X)
+            got = [first, padded(other)]
         records = [r for r in tf_memsafe.reports()[-1].records if r.pass_name == "splitter"]
-        after = tf_memsafe.memory_footprint(padded, tf.TensorSpec([B, L, D]))
     finally:
         tf_memsafe.disable()
     assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]
     assert after <= limit < naive
-    for value, x in zip(got, (X, other)):
-        want = tf.function(fn, jit_compile=True)(x)
+    wants.append((naive_fn(other), None))
+    for value, (want, _) in zip(got, wants):
         for g, w in zip(tf.nest.flatten(value), tf.nest.flatten(want)):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
 

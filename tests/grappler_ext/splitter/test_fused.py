@@ -15,6 +15,7 @@ import tensorflow as tf
 import tf_memsafe
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.splitter import DEFAULT_TUNING, Code, Splitter, analysis, loop, mechanism
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
@@ -111,8 +112,7 @@ def run_both(loss, args, specs=None, limit=LIMIT, initial=None):
     tf_memsafe.enable(limit, strict=True)
     with splitter_only():
         split = tf.function(step_fn(loss, variables(initial)), jit_compile=True, input_signature=specs)
-        got = split(*args)
-        footprint = tf_memsafe.memory_footprint(split, *args) if specs is None else None
+        got, footprint = run_and_measure(split, *args)      # (XLA's figure for the compile the call made)
     return got, expected, footprint
 
 
@@ -145,7 +145,7 @@ def test_its_chunk_is_planned_from_its_gradients_without_compiling_the_loop_alon
     figure = mechanism.loop_figure
     monkeypatch.setattr(mechanism, "loop_figure", lambda *a, **k: compiled.append(a[3]) or figure(*a, **k))
     got, expected, footprint = run_both(mlp, (X, TARGET), initial=MLP)
-    (plan,) = {p.render(): p for p in loops()}.values()        # (traced twice: the footprint's trace)
+    (plan,) = loops()
     records = [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
     assert plan.fused and L // plan.backward_chunk < DEFAULT_TUNING.fused_starved_steps, plan.render()
     assert compiled == [] and not [r for r in records if r.code in (Code.GROWN, Code.NOT_GROWN)], compiled
@@ -317,15 +317,13 @@ class TestInputsNoGradientAsksFor:
         return loss, tape.gradient(loss, self.w)
 
     def test_its_gradient_is_not_computed_nor_counted(self):
-        expected = tf.function(self.step, jit_compile=True)(self.x)
-        naive = tf_memsafe.memory_footprint(self.step, self.x, rewrite=False)
-        tf_memsafe.enable(naive // 3, strict=True)
+        expected, naive = run_and_measure(tf.function(self.step, jit_compile=True), self.x)   # (the calls'
+        tf_memsafe.enable(naive // 3, strict=True)                                              # compiles)
         with splitter_only():
             fn = tf.function(self.step, jit_compile=True)
-            got = fn(self.x)
-            after = tf_memsafe.memory_footprint(fn, self.x)
+            got, after = run_and_measure(fn, self.x)
             graph = fn.get_concrete_function(self.x).graph
-        plan = loops()[0]                                # (the call's; memory_footprint's plans it again)
+        plan = loops()[0]
         assert plan.fused and plan.best_effort is None and after <= naive // 3, (plan.render(), after, naive)
         # (no sum of the queue's shape carried through the loop)
         carried = [t for op in graph.get_operations() if op.type in ("While", "StatelessWhile") for t in op.outputs]
@@ -493,22 +491,22 @@ def cross_attention_layers(x, context, weights):
     return x
 
 
-def test_a_forward_computes_its_keys_and_values_in_each_loops_prologue(monkeypatch):
-    """Without gradients, each layer's keys and values are computed by its loop's prologue, once the
-    layer before is done and in the order its einsums read them; left outside the loops, XLA computes
-    both layers' (from the one context) side by side and holds transposed copies of them."""
+def test_a_forward_computes_both_layers_keys_and_values_in_its_loops_prologue(monkeypatch):
+    """Without gradients, the two layers are one loop along the queries (a row of the second's reads
+    the same row of the first's), whose prologue computes both layers' keys and values (four einsums
+    from the one context) once its sliced inputs exist; left outside the loop, XLA computes them side
+    by side and holds transposed copies of them.  (Until the call's own figure was read here, the
+    test traced the function twice and counted this one loop twice as "two loops".)"""
     weights = [[tf.constant(w) for w in HEADS], [tf.constant(w[:, ::-1]) for w in HEADS]]
     forward = lambda x, c: cross_attention_layers(x, c, weights)               # noqa: E731
     expected = tf.function(forward, jit_compile=True)(X, TARGET)
     tf_memsafe.enable(4 * LIMIT, strict=True)
     with splitter_only():
-        split = tf.function(forward, jit_compile=True)
-        got = split(X, TARGET)
-        figure = tf_memsafe.memory_footprint(split, X, TARGET)
+        got, figure = run_and_measure(tf.function(forward, jit_compile=True), X, TARGET)
     plans = loops()
-    assert len(plans) == 2 and all(p.prologue_ops for p in plans), [p.render() for p in plans]
+    assert len(plans) == 1 and len(plans[0].prologue_ops) == 4, [p.render() for p in plans]
     assert_close(got, expected)
-    # Each loop's output buffer is made once its prologue has run (loop._made_after): made at the
+    # The loop's output buffer is made once its prologue has run (loop._made_after): made at the
     # program's start, XLA held it through the prologue's projections (measured: 6.8 MB, 4.1 MB now).
     assert figure <= 5 * 10**6, figure
     with monkeypatch.context() as m, splitter_only():

@@ -22,6 +22,7 @@ from grappler_ext.graph_query import live_ops, topological_order
 from grappler_ext.pipeline import Pipeline
 from grappler_ext.splitter import Splitter, analysis, nested_loop, nesting
 from grappler_ext.splitter.outcome import Code, NestedKeys, Why
+from tests.xla_run import run_and_measure
 from tf_memsafe import hook
 from tf_memsafe.memory import XlaMeasurer
 
@@ -82,9 +83,7 @@ def _split(layer, limit=LIMIT):
     tf_memsafe.enable(limit, strict=True)
     try:
         with _splitter_only():
-            fn = tf.function(layer, jit_compile=True)
-            got = fn(X)
-            figure = tf_memsafe.memory_footprint(fn, X)
+            got, figure = run_and_measure(tf.function(layer, jit_compile=True), X)   # (the call's compile)
     finally:
         tf_memsafe.disable()
     return got, figure, _plans()

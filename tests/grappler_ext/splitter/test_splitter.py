@@ -147,14 +147,13 @@ CASES = {
 @pytest.mark.parametrize("jit", [True, False])
 def test_forward_equal_and_within_the_limit(name, jit):
     fn, args, dtype, limit = CASES[name]
-    expected = tf.function(fn, jit_compile=jit)(*args)
+    call = run_and_measure if jit else lambda f, *a: (f(*a), None)      # (XLA's figure for the call's compile)
+    expected, before = call(tf.function(fn, jit_compile=jit), *args)
     tf_memsafe.enable(limit, strict=True, rewrite_non_jit=True)
     with splitter_only():
-        got = tf.function(fn, jit_compile=jit)(*args)
+        got, after = call(tf.function(fn, jit_compile=jit), *args)
         assert len(rewrites()) == 1
         if jit:
-            before = tf_memsafe.memory_footprint(fn, *args, rewrite=False)
-            after = tf_memsafe.memory_footprint(fn, *args)
             assert before >= 10 * limit, "the case must need splitting"
             assert after <= limit
     assert_same(got, expected, dtype)
@@ -277,11 +276,11 @@ def test_a_cholesky_solve_splits_along_its_right_hand_sides():
 
     expected = tf.function(fn, jit_compile=True)(chol, a, b)
     tf_memsafe.enable(8 * 10**6, strict=True)                      # (32 MB a [200, 20000] tensor)
-    got = tf.function(fn, jit_compile=True)(chol, a, b)
+    got, after = run_and_measure(tf.function(fn, jit_compile=True), chol, a, b)    # (the call's compile)
     splits = [r for rep in tf_memsafe.reports() for r in rep.records
               if r.pass_name == "splitter" and r.action == "rewritten"]
     assert splits and all("axis 1" in r.reason for r in splits), [r.reason for r in splits]
-    assert tf_memsafe.memory_footprint(fn, chol, a, b) <= 8 * 10**6
+    assert after <= 8 * 10**6
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12 * np.max(np.abs(e)))
 
@@ -345,17 +344,16 @@ def test_the_test_points_side_of_a_predictive_density_is_one_loop():
     args = (points(100, 3, tf.float64), points(20000, 3, tf.float64, seed=1), points(20000, 1, tf.float64, seed=2),
             points(6000, 3, tf.float64, seed=3), points(6000, 1, tf.float64, seed=4)[:, 0])
     limit = 12 * 10**6
-    expected = tf.function(sgpr_log_density, jit_compile=True)(*args)
+    expected, before = run_and_measure(tf.function(sgpr_log_density, jit_compile=True), *args)
     tf_memsafe.enable(limit, strict=True)
     with splitter_only():
-        got = tf.function(sgpr_log_density, jit_compile=True)(*args)
-        after = tf_memsafe.memory_footprint(sgpr_log_density, *args)
+        got, after = run_and_measure(tf.function(sgpr_log_density, jit_compile=True), *args)
     reasons = sorted({r.plan.describe() for r in rewrites()})
     # (the test side's loop reaches on to the density itself, -0.5 * (..): the function's output)
     assert reasons == ["`MatMul` sum over input 0 axis 1, input 1 axis 1 and `MatMul` sum",
                        "`Mul` concat over input 0 axis 0"], reasons
     np.testing.assert_allclose(got, expected, rtol=1e-9)
-    assert after <= limit < tf_memsafe.memory_footprint(sgpr_log_density, *args, rewrite=False)
+    assert after <= limit < before
 
 
 def test_max_and_min_over_the_split_axis_with_ties_and_gradients(monkeypatch):
@@ -514,8 +512,7 @@ def test_default_pipeline_rewrites_the_distance_then_splits_the_matrix():
     expected = tf.function(knn_l2, jit_compile=True)(x, y)
     tf_memsafe.enable(LIMIT, strict=True)
     with hook.use_pipeline(default_pipeline()):
-        got = tf.function(knn_l2, jit_compile=True)(x, y)
-        after = tf_memsafe.memory_footprint(knn_l2, x, y)
+        got, after = run_and_measure(tf.function(knn_l2, jit_compile=True), x, y)
     for report in tf_memsafe.reports():  # the call's trace and the measurement's
         assert sorted(r.pass_name for r in report.records if r.action == "rewritten") == [
             "pairwise_distance", "splitter"]
@@ -536,8 +533,7 @@ class TestChunksFromXlasFigure:
         tf_memsafe.enable(LIMIT, strict=True, **options)
         mark = hook.report_mark()
         with hook.use_pipeline(default_pipeline({"splitter": Splitter(measurer or XlaMeasurer())})):
-            got = tf.function(knn_l2, jit_compile=True)(self.x, self.y)
-            after = tf_memsafe.memory_footprint(knn_l2, self.x, self.y)
+            got, after = run_and_measure(tf.function(knn_l2, jit_compile=True), self.x, self.y)
         (record,) = [r for rep in hook.reports_since(mark) for r in rep.records
                      if r.pass_name == "splitter" and r.action == "rewritten"][:1]
         tf_memsafe.disable()
@@ -573,8 +569,7 @@ class TestChunksFromXlasFigure:
         tf_memsafe.enable(LIMIT, strict=True)
         mark = hook.report_mark()
         with hook.use_pipeline(default_pipeline({"splitter": Splitter(XlaMeasurer())})):
-            got = tf.function(knn_l1, jit_compile=True)(q, p)
-            after = tf_memsafe.memory_footprint(knn_l1, q, p)
+            got, after = run_and_measure(tf.function(knn_l1, jit_compile=True), q, p)
         records = {r.reason for rep in hook.reports_since(mark) for r in rep.records
                    if r.pass_name == "splitter" and r.action == "rewritten"}
         tf_memsafe.disable()
@@ -609,8 +604,8 @@ def test_a_gradient_loop_of_many_steps_is_sized_by_xlas_figure_for_it():
     the forward's chunks of 8, within the limit, equal to the unsplit step (the model's plan is traced,
     not run)."""
     x = tf.constant(_RNG.randn(4, 512, 16).astype(np.float32))
-    naive = tf.function(pooled_attention_step, jit_compile=True)
-    limit = tf_memsafe.memory_footprint(naive, x, rewrite=False) // 8
+    want, naive = run_and_measure(tf.function(pooled_attention_step, jit_compile=True), x)   # (the call's compile)
+    limit = naive // 8
     plans, figures = {}, {}
     for name, tuning in (("figure", DEFAULT_TUNING), ("model", Tuning(backward_sizing_steps=10**9))):
         tf_memsafe.enable(limit, strict=True)
@@ -625,7 +620,7 @@ def test_a_gradient_loop_of_many_steps_is_sized_by_xlas_figure_for_it():
         finally:
             tf_memsafe.disable()
         (plans[name],) = [r.plan for rep in hook.reports_since(mark)[:1] for r in rep.records if r.code == Code.SPLIT]
-    for g, w in zip(got, naive(x)):
+    for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(w))))
     sized, model = plans["figure"], plans["model"]
     assert model.backward_bytes_per_row is None and model.backward_steps >= 4 * sized.backward_steps, model.render()
@@ -860,13 +855,10 @@ def test_impossible_limit_gets_the_best_effort_and_a_warning():
     exceed it, so the limit cannot be met; the splitter still cuts the scores to a small part of
     what must stay, and warns with the numbers."""
     q, k, v = (points(3000, 64, seed=s) for s in range(3))
-    expected = tf.function(attention, jit_compile=True)(q, k, v)
-    tf_memsafe.enable(2 * 10**6, strict=True)
+    expected, before = run_and_measure(tf.function(attention, jit_compile=True), q, k, v)   # (the calls'
+    tf_memsafe.enable(2 * 10**6, strict=True)                                                  # compiles)
     with splitter_only(), pytest.warns(RuntimeWarning, match=r"over its limit of 2\.0 MB.*could only reduce it"):
-        got = tf.function(attention, jit_compile=True)(q, k, v)
-    with splitter_only(), pytest.warns(RuntimeWarning):
-        before = tf_memsafe.memory_footprint(attention, q, k, v, rewrite=False)
-        after = tf_memsafe.memory_footprint(attention, q, k, v)
+        got, after = run_and_measure(tf.function(attention, jit_compile=True), q, k, v)
     assert all(r.code == Code.BEST_EFFORT and "best effort, the limit cannot be met" in r.reason for r in rewrites())
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
     assert after < before / 5
@@ -882,14 +874,13 @@ def test_a_best_effort_where_an_op_has_no_byte_rule():
 
     q, k, v = (points(3000, 64, seed=s) for s in range(3))
     w = points(8, 8, seed=3)
-    expected = tf.function(fn, jit_compile=True)(q, k, v, w)
+    expected, before = run_and_measure(tf.function(fn, jit_compile=True), q, k, v, w)
     tf_memsafe.enable(2 * 10**6, strict=True)
     with splitter_only(), pytest.warns(RuntimeWarning, match=r"over its limit of 2\.0 MB"):
-        got = tf.function(fn, jit_compile=True)(q, k, v, w)
-        after = tf_memsafe.memory_footprint(fn, q, k, v, w)
+        got, after = run_and_measure(tf.function(fn, jit_compile=True), q, k, v, w)
     assert rewrites() and {r.code for r in rewrites()} == {Code.BEST_EFFORT}
     np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
-    assert after < tf_memsafe.memory_footprint(fn, q, k, v, w, rewrite=False) / 5
+    assert after < before / 5
 
 
 def test_a_self_pair_mask_made_with_tf_eye_is_split_with_its_rows():
@@ -910,8 +901,7 @@ def test_a_self_pair_mask_made_with_tf_eye_is_split_with_its_rows():
     tf_memsafe.enable(8 * 10**6, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                               # within the limit: nothing to say
-        got = tf.function(loss_and_grad, jit_compile=True)(z)
-        after = tf_memsafe.memory_footprint(loss_and_grad, z)
+        got, after = run_and_measure(tf.function(loss_and_grad, jit_compile=True), z)
     assert after <= 8 * 10**6, after
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-4, atol=1e-7)
@@ -930,8 +920,7 @@ def test_a_diagonal_set_with_set_diag_is_split_with_its_rows():
     tf_memsafe.enable(8 * 10**6, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                               # within the limit: nothing to say
-        got = tf.function(energy, jit_compile=True)(x, m)
-        after = tf_memsafe.memory_footprint(energy, x, m)
+        got, after = run_and_measure(tf.function(energy, jit_compile=True), x, m)
     assert after <= 8 * 10**6, after
     np.testing.assert_allclose(got, expected, rtol=1e-4)
 
@@ -1109,9 +1098,9 @@ def _gradient_matches_central_differences(loss_and_grads, args, weights, rng):
     tf_memsafe.enable(4 * 10**6, redraw_random=True, strict=True)
     with splitter_only():
         fn = tf.function(loss_and_grads, jit_compile=True)
-        _, grads = fn(*args)
+        (_, grads), figure = run_and_measure(fn, *args)      # (XLA's figure for the compile the call made)
         assert len(rewrites()) >= 1
-        assert tf_memsafe.memory_footprint(fn, *args) <= 4 * 10**6
+        assert figure <= 4 * 10**6, figure
         direction = [rng.standard_normal(w.shape) for w in weights]
         start = [w.numpy() for w in weights]
         losses = []
@@ -1331,8 +1320,7 @@ def test_an_elementwise_tensor_two_regions_read_is_computed_again_in_each():
     tf_memsafe.enable(2_200_000, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                               # within the limit: nothing to say
-        got = tf.function(pca_error, jit_compile=True)(x)
-        after = tf_memsafe.memory_footprint(pca_error, x)
+        got, after = run_and_measure(tf.function(pca_error, jit_compile=True), x)
     assert after <= 2_200_000, after
     np.testing.assert_allclose(got, expected, rtol=1e-4)
 
@@ -1350,11 +1338,9 @@ def test_an_elementwise_tensor_two_regions_read_is_computed_again_with_its_gradi
         return [loss] + tape.gradient(loss, [s, m])
 
     x = points(6000, 64, seed=4)
-    expected = tf.function(step, jit_compile=True)(x)
-    before = tf_memsafe.memory_footprint(step, x, rewrite=False)
+    expected, before = run_and_measure(tf.function(step, jit_compile=True), x)   # (the calls' compiles)
     tf_memsafe.enable(int(before * 0.7), strict=True)
-    got = tf.function(step, jit_compile=True)(x)
-    after = tf_memsafe.memory_footprint(step, x)
+    got, after = run_and_measure(tf.function(step, jit_compile=True), x)
     assert after <= before * 0.7, (before, after)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
@@ -1377,8 +1363,7 @@ def test_a_plan_along_a_short_axis_over_by_xlas_figure_is_planned_again_along_an
     tf_memsafe.enable(4_200_000, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                               # within the limit: nothing to say
-        got = tf.function(chamfer, jit_compile=True)(a, b)
-        after = tf_memsafe.memory_footprint(chamfer, a, b)
+        got, after = run_and_measure(tf.function(chamfer, jit_compile=True), a, b)
     assert after <= 4_200_000, after
     assert Code.OTHER_SIZES in {r.code for r in skips()}
     for g, e in zip(got, expected):
