@@ -209,9 +209,10 @@ def splitter_records():
     return [r for rep in tf_memsafe.reports() for r in rep.records if r.pass_name == "splitter"]
 
 
-def assert_rebuilt_by_the_splitter():
-    """The splitter rewrote the step and rebuilt the tape's gradient on the split forward."""
-    records = splitter_records()
+def assert_rebuilt_by_the_splitter(records=None):
+    """The splitter rewrote the step and rebuilt the tape's gradient on the split forward (by its
+    ``records``: those of the reports kept now, without them)."""
+    records = splitter_records() if records is None else records
     rebuilt = [r for r in records if r.action == "rewritten" and r.plan.rebuilt_gradients]
     assert rebuilt, [f"{r.action}: {r.reason}" for r in records]
 
@@ -267,12 +268,6 @@ def jit_adam(case):
     return {"naive": three_adam_steps(case, True, False), "split": three_adam_steps(case, True, True)}
 
 
-def assert_rebuilt(records):
-    """``assert_rebuilt_by_the_splitter`` on records kept by ``three_adam_steps``."""
-    rebuilt = [r for r in records if r.action == "rewritten" and r.plan.rebuilt_gradients]
-    assert rebuilt, [f"{r.action}: {r.reason}" for r in records]
-
-
 @pytest.mark.parametrize("jit", [True, False])
 def test_variables_equal_after_three_adam_steps(case, jit, request):
     """The update reads the rebuilt gradients; Adam's slots and the variables end as unrewritten."""
@@ -280,7 +275,7 @@ def test_variables_equal_after_three_adam_steps(case, jit, request):
         naive, split = request.getfixturevalue("jit_adam").values()
     else:
         naive, split = three_adam_steps(case, False, False), three_adam_steps(case, False, True)
-    assert_rebuilt(split["records"])
+    assert_rebuilt_by_the_splitter(split["records"])
     np.testing.assert_allclose(split["losses"], naive["losses"], rtol=1e-10)
     assert naive["losses"][-1] != naive["losses"][0]                         # the steps did train
     assert_close(split["variables"], naive["variables"])
@@ -291,7 +286,7 @@ def test_whole_step_fits_the_limit_and_runs(case, jit_adam):
     """XLA's figure for the whole Adam step (tape inside): naive > 10x the limit, rewritten within it;
     the rewritten step ran, to a finite loss, and moved every variable."""
     naive, split = jit_adam["naive"], jit_adam["split"]
-    assert_rebuilt(split["records"])
+    assert_rebuilt_by_the_splitter(split["records"])
     assert naive["bytes"] > 10 * case.limit, f"the case must need splitting: {naive['bytes']:,} B"
     assert split["bytes"] <= case.limit, (f"{split['bytes']:,} B over the limit of {case.limit:,} B",
                                           [f"{r.action}: {r.reason}" for r in split["records"]])

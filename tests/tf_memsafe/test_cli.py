@@ -132,32 +132,19 @@ class TestInProcess:
         assert not tf_memsafe.is_enabled()
 
     def test_unknown_flag_is_one_line_error(self, tmp_path, capsys):
-        from tf_memsafe.__main__ import main
-
         script = tmp_path / "script.py"
         script.write_text("raise SystemExit('must not run')\n")
-        try:
-            main(["--bogus", str(script)])
-        except SystemExit as e:
-            assert e.code == 2
-        else:
-            raise AssertionError("main() accepted --bogus")
-        err = capsys.readouterr().err
+        code, _, err = run_main(["--bogus", str(script)], capsys)
+        assert code == 2
         assert err == f"{PROG}: error: unrecognized arguments: --bogus (see --help)\n"
 
     def test_unknown_pass_is_refused_while_parsing(self, tmp_path, capsys):
-        from tf_memsafe.__main__ import main
-
         script = tmp_path / "script.py"
         script.write_text("raise SystemExit('must not run')\n")
-        try:
-            main(["--disable-pass", "splitter", "--disable-pass", "no_such_pass", str(script)])
-        except SystemExit as e:
-            assert e.code == 2
-        else:
-            raise AssertionError("main() accepted --disable-pass no_such_pass")
+        code, _, err = run_main(["--disable-pass", "splitter", "--disable-pass", "no_such_pass", str(script)], capsys)
+        assert code == 2
         assert not tf_memsafe.is_enabled()
-        (line,) = capsys.readouterr().err.splitlines()
+        (line,) = err.splitlines()
         assert line.startswith(f"{PROG}: error: argument --disable-pass: unknown pass 'no_such_pass'; known passes: ")
         assert all(name in line for name in DEFAULT_ORDER)
 

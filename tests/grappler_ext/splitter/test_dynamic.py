@@ -241,9 +241,9 @@ def _batch(b, n):
     return tf.constant(np.random.RandomState(b * 1000 + n).randn(b, n, E).astype(np.float32))
 
 
-def _split_figure(f, limit, b, n) -> int:
-    """XLA's figure for the rewritten ``f`` compiled at [b, n, E] (the one trace, planned under ``limit``):
-    that of the compile its first call at that shape makes."""
+def _split_figure(f, b, n) -> int:
+    """XLA's figure for the rewritten ``f`` (traced once, planned under the limit it was enabled with)
+    compiled at [b, n, E]: that of the compile its first call at that shape makes."""
     return run_and_measure(f, _batch(b, n))[1]
 
 
@@ -269,7 +269,7 @@ def test_a_padded_batch_attention_keeps_its_limit_at_other_sizes():
     limit = tf_memsafe.memory_footprint(tf.function(attention_loss), _batch(4, 512), rewrite=False) // 8
     f, _ = _padded(attention_step, limit, split_always=False)      # (the product's pipeline)
     for b, n in ((4, 512), (2, 1024), (16, 256)):
-        after = _split_figure(f, limit, b, n)
+        after = _split_figure(f, b, n)
         before = tf_memsafe.memory_footprint(f, tf.TensorSpec([b, n, E]), rewrite=False)
         assert after <= limit < before // 4, (b, n, after, limit, before)
 
@@ -285,7 +285,7 @@ def test_a_padded_batch_attention_loop_is_sized_by_its_figure_at_the_nominal_siz
     assert plan.sizing == Sizing.NOMINAL_FIGURE and plan.bytes_per_row > 0, plan.render()
     assert "at the nominal sizes" in plan.render()
     for b, n in ((2, 1024), (16, 256)):
-        after = _split_figure(f, limit, b, n)
+        after = _split_figure(f, b, n)
         assert after <= limit, (b, n, after, limit)
     _close(f(_batch(3, 700)), tf.function(attention_loss, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
 
@@ -315,7 +315,7 @@ def test_what_outgrows_the_inputs_is_split_though_the_plan_fits_at_the_nominal_s
     assert "s0*s1^2" in note.reason and "within the limit at the nominal sizes with 1 loop" in note.reason, note.reason
     assert len([r for r in records if r.code == Code.SPLIT]) == 2, [r.reason for r in records]
     for b, n in ((8, 600), (4, 2048)):
-        after = _split_figure(f, limit, b, n)
+        after = _split_figure(f, b, n)
         assert after <= limit, (b, n, after, limit)
     _close(f(_batch(3, 700)), tf.function(wide_then_narrow, jit_compile=True)(_batch(3, 700)), "at [3, 700]")
 

@@ -120,8 +120,7 @@ def test_a_loop_through_merged_rows_of_run_time_sizes(fn):
     by XLA's figure at the shape it was sized from, equal to the unsplit function at that shape and
     at another."""
     naive_fn = tf.function(fn, jit_compile=True)
-    wants = [run_and_measure(naive_fn, X)]                  # (XLA's figures for the compiles the calls made)
-    naive = wants[0][1]
+    want, naive = run_and_measure(naive_fn, X)              # (XLA's figures for the compiles the calls made)
     limit = naive // 4
     other = X[:5, :100]
     tf_memsafe.enable(limit, strict=True)
@@ -135,9 +134,8 @@ def test_a_loop_through_merged_rows_of_run_time_sizes(fn):
         tf_memsafe.disable()
     assert any(r.code == Code.SPLIT and r.plan.dynamic for r in records), [r.reason for r in records]
     assert after <= limit < naive
-    wants.append((naive_fn(other), None))
-    for value, (want, _) in zip(got, wants):
-        for g, w in zip(tf.nest.flatten(value), tf.nest.flatten(want)):
+    for value, expected in zip(got, (want, naive_fn(other))):
+        for g, w in zip(tf.nest.flatten(value), tf.nest.flatten(expected)):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
 
 
