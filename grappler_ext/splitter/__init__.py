@@ -102,7 +102,9 @@ beside SGPR's loop at M = 2000, the whole program 434 MB by XLA's figure).  When
 starved by it (``Tuning.starved_steps``), the program as split is compiled (never run) and, if XLA's
 figure leaves room under the limit (less ``Tuning.replan_margin``), the program is split again with that
 room given to the starved gradient loops, their forward plans unchanged, and compiled again: kept
-if within the limit, otherwise the first plan is built again.
+if within the limit, otherwise the first plan is built again.  A starved loop that computes its
+gradients as it goes is instead built again in its place, every other loop as it stands, and the
+growth undone where the program grown is over the limit: no plan is made again.
 
 Chunk sizes from XLA's figure (``Options.calibrate_chunks``): the memory model plans first, with
 margins; then the loop is compiled alone (never run) at two chunk sizes, and the difference of the

@@ -92,6 +92,8 @@ class _Run:
         self.warned_figure: int | None = None            # XLA's figure for a plan warned it cannot fit
         self.program_sized = 0                           # loops sized by compiling them as the whole program
         self.starved: dict[str, int] = {}                # large tensor -> its starved gradient loop's chunk
+        self.regrowable: dict = {}                       # ... and how to build it again in place (search.Regrowable)
+        self.search = None                               # the plan's search (search.RegionSearch): loops built again
         self.hoped: set = set()                          # tensors expected to be split by their own loops
         self.relaxed = False                             # regions with a large joined result allowed
         self.avoid: frozenset = frozenset()              # run-time sizes whose loops rank last (see _split)
@@ -487,7 +489,7 @@ class _Run:
         nothing split) and XLA's figure for the program as split, where it was worth measuring and
         not measured within the limit already (``None`` otherwise)."""
         graph, t, self.planning = self.graph, self.tuning, result
-        self.loop_bytes, self.program_sized, self.starved, self.pending = {}, 0, {}, []
+        self.loop_bytes, self.program_sized, self.starved, self.pending, self.regrowable = {}, 0, {}, [], {}
         self.warned_figure = None
         self.backward_bytes, self.best_effort_asks, self.model_over_xla, self.within_as_split = {}, 0, None, None
         self.in_vain = None             # XLA's figure that stopped the best efforts (see within_before_best_effort)
@@ -524,7 +526,7 @@ class _Run:
         # Large gradient tensors go with them: the gradients are rebuilt through the loops.
         self.hoped = {x.name for x in tensors} | {x.name for op in backward for x in op.outputs if large(x)}
         step_of = {step.op: i for i, step in enumerate(est.schedule)}
-        region = search.RegionSearch(self, est, info, step_of, order_index, backward, limit, result)
+        region = self.search = search.RegionSearch(self, est, info, step_of, order_index, backward, limit, result)
         only = None           # within the limit at nominal sizes by the model: the tensors left that outgrow the inputs
         visited: set = set()  # (tensors tried: not again where the tensors left are gone through again, below)
         while True:

@@ -78,7 +78,7 @@ from grappler_ext.splitter.slicing import (
     valid_rows,
 )
 
-__all__ = ["Region", "build_split", "forward_program", "fused_program", "external_inputs", "fusable"]
+__all__ = ["Region", "build_split", "forward_program", "fused_program", "external_inputs", "fusable", "remapped"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -133,6 +133,21 @@ class Region:
     least_chunk: int = 1
     inputs_of: dict = dataclasses.field(default_factory=dict)
     relaid: dict | None = dataclasses.field(default=None, repr=False, compare=False)   # relaid_prologue's, once
+
+
+def remapped(region: Region, current: dict) -> Region:
+    """``region`` read from ``current[t.ref()]`` wherever it read ``t`` from outside (its sliced and
+    whole inputs, and their factors).  A loop built after the region's own replaced its readers of a
+    tensor the region reads (a decoder layer's output, now the result of that layer's loop): every
+    reader moved, the region's ops too, unreachable as they are since their own loop was installed;
+    the region's record of its inputs, kept by reference, did not."""
+    def to(ref):
+        return current[ref].ref() if ref in current else ref
+
+    return dataclasses.replace(
+        region, sliced_inputs={to(r): a for r, a in region.sliced_inputs.items()},
+        whole_inputs={to(r) for r in region.whole_inputs},
+        factors={k if isinstance(k, tf.Operation) else to(k): f for k, f in region.factors.items()})
 
 
 def _inline_constant(t: tf.Tensor):

@@ -265,11 +265,12 @@ def _visible(options, counts, outputs: list) -> list:
     return visible
 
 
-def install(graph, scope: str, roots, outputs, graph_outputs: set, region_ops) -> None:
+def install(graph, scope: str, roots, outputs, graph_outputs: set, region_ops, replaced=None) -> None:
     """The loop's ``outputs`` in place of the ``roots``' (readers rewired, recorded gradients
     retargeted); the region's static shape readers folded.  The gradients inside the function are
-    rebuilt through the loop afterwards (:func:`rebuild_gradients`)."""
-    old_outputs = [t for r in roots for t in r.outputs]
+    rebuilt through the loop afterwards (:func:`rebuild_gradients`).  ``replaced``: the outputs of
+    the region's loop built before, in place of which these are installed (a loop built again)."""
+    old_outputs = [t for r in roots for t in r.outputs] if replaced is None else list(replaced)
     for old, new in zip(old_outputs, outputs):
         if old.consumers() or old.ref() in graph_outputs:
             graph_edit.replace_uses(old, new)

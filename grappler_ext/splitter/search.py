@@ -18,6 +18,7 @@ from grappler_ext import gradients, graph_edit, graph_query
 from grappler_ext.op_types import LOOP_TYPES, nbytes
 from grappler_ext.splitter import (
     analysis,
+    loop,
     mechanism,
     nested_loop,
     nesting,
@@ -33,7 +34,7 @@ from grappler_ext.splitter import (
 from grappler_ext.splitter.chunk_plan import ChunkPlan
 from grappler_ext.splitter.outcome import Code, LoopPlan, Redrawable, Sizing, Why
 
-__all__ = ["RegionSearch", "Candidate"]
+__all__ = ["RegionSearch", "Candidate", "Regrowable"]
 
 
 class RegionSearch:
@@ -170,15 +171,16 @@ class RegionSearch:
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
               row: float | None = None, fused_unit: float | None = None,
-              backward_row: float | None = None) -> set | None:
+              backward_row: float | None = None, again: Regrowable | None = None) -> set | None:
         """The loop of ``best`` in ``chunks`` built and installed; the ops it removed, or ``None``
         (``fused``: the forward's own chunk, where the loop computes the gradients as it goes; ``row``:
         the bytes a row of a loop whose chunk is scaled to the run's sizes costs, if not ``per_unit``;
         ``fused_unit``: a fused loop's bytes a row where its gradients' count planned it, else the
         backward loop's; ``backward_row``: the gradient loop's bytes a row by XLA's figure, where that
-        sized its chunk)."""
+        sized its chunk; ``again``: the region's loop built before, which this one replaces, record
+        included: :meth:`regrow`)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
-        roots = [o.root for o in options]
+        roots, unit = [o.root for o in options], fused_unit
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
         existing = set(graph.get_operations())
         dispatch = None
@@ -197,14 +199,19 @@ class RegionSearch:
             self.result.skip(roots, f"building the loop failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                              code=Code.BUILD_FAILED)
             return None
-        mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops)
+        mechanism.install(graph, run.name, roots, outputs, self.graph_outputs, grown.region.ops,
+                          replaced=again and again.outputs)
         # (the prologue too: the region as written reads its ops' outputs, whose gradient would otherwise be
         # a zero XLA cannot fold through their products, computed where the loop runs)
+        whole_at_run.forget(again and again.dispatch)
         whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + list(grown.region.prologue) + roots)
+        made = frozenset(op for op in graph.get_operations() if op not in existing)
         forward_loops = mechanism.new_loops(graph, existing)
         run.split_sizes |= scaling.loop_sizes(grown.region, run.growth is not None)
         try:
-            rebuilt = mechanism.rebuild_gradients(graph, run.name, grown.included, grown.region) if self.backward else 0
+            # (a loop built again: the gradients that read the loop it replaces)
+            touched = grown.included if again is None else again.made
+            rebuilt = mechanism.rebuild_gradients(graph, run.name, touched, grown.region) if self.backward else 0
         finally:
             # The call's seed is this loop's (its gradient keyed on it too): a later region's loop,
             # compiled alone to size it, draws with a fixed key instead (see rules.Reseed).
@@ -228,10 +235,11 @@ class RegionSearch:
             run.loop_bytes[op.name] = mine if owner is None else run.backward_bytes.get(id(owner), mine)
         gradient_loop = (bool(backward_loops) and backward_chunk < chunks.chunk) or (
             fused is not None and backward_chunk < fused)
-        if (gradient_loop or fused is not None) and not room[0] and policy.starved(chunks, backward_chunk,
-                                                                                  self.tuning, fused):
+        starved = (gradient_loop or fused is not None) and not room[0] and policy.starved(chunks, backward_chunk,
+                                                                                         self.tuning, fused)
+        if starved:
             run.starved[tensor.name] = backward_chunk
-        if sized.sizing == Sizing.PROGRAM_FIGURE:
+        if sized.sizing == Sizing.PROGRAM_FIGURE and again is None:
             run.program_sized += 1
         plan = LoopPlan(tuple(o.split for o in options), chunks.length, chunks.chunk, backward_chunk,
                         chunks.predicted_bytes, has_gradient_loop=gradient_loop, sizing=sized.sizing,
@@ -243,11 +251,50 @@ class RegionSearch:
                         written_into=mechanism.written_variables(graph, grown.region),
                         nested=best.nest and nested_loop.record(best.nest),
                         redrawn=_drawn_in(grown.region) if draws else ())
-        self.result.rewrote(roots + grown.region.ops, plan.render(),
-                            bytes_before=analysis.materialised_bytes(grown.included, self.info),
-                            bytes_after=chunks.predicted_bytes,
-                            code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
+        record = self.result.rewrote(roots + grown.region.ops, plan.render(),
+                                     bytes_before=analysis.materialised_bytes(grown.included, self.info),
+                                     bytes_after=chunks.predicted_bytes,
+                                     code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
+        if again is not None:            # (in the place of the loop it replaces)
+            records = self.result.records
+            records.pop()
+            records[next(i for i, r in enumerate(records) if r is again.record)] = record
+        elif starved and fused is not None and tiled is None and not grown.region.written_into \
+                and not grown.region.inputs_of:
+            # What building it again in larger chunks takes (regrow), once XLA's figure says how much room there is.
+            region_ops = [*roots, *grown.region.ops, *grown.region.prologue]
+            run.regrowable[tensor.name] = Regrowable(
+                tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, unit, backward_row,
+                tuple(outputs), made, record, dispatch,
+                {(op, i): t for op in region_ops for i, t in enumerate(op.inputs)})
         return grown.included | set(grown.region.prologue)
+
+    def regrow(self, stash: Regrowable) -> bool:
+        """The starved loop of ``stash`` (one computing its gradients as it goes) built again in its
+        place, in the chunk XLA's figures for it alone give in the room ``run.grow_room`` holds for it
+        (:func:`.policy.fused_grown`), its record replaced; every other loop of the plan as it is.
+        ``False`` where no larger chunk fits, or the region's inputs cannot be told (nothing built).
+
+        Its region's ops read what the loops built after it made of their inputs (a reader of a layer's
+        output, replaced by that layer's loop, reads the loop's result): the region is read from there
+        (:func:`.loop.remapped`)."""
+        run, options = self.run, stash.best.options
+        current: dict = {}
+        for (op, i), was in stash.reads.items():
+            now = op.inputs[i]
+            if now is not was and current.setdefault(was.ref(), now) is not now:
+                return False                # (two readers of one input moved apart: not told)
+        region = loop.remapped(stash.best.grown.region, current) if current else stash.best.grown.region
+        chunk = policy.fused_grown(run.grow_room[stash.tensor.name], stash.chunks.length, analysis.top_k(options),
+                                   self.tuning, lambda c: mechanism.loop_figure(run.calibrator, options, region, c,
+                                                                                fused=True, asks=self.asks))
+        if chunk is None or chunk <= stash.backward_chunk:
+            return False
+        chunks = ChunkPlan(stash.chunks.length, chunk,
+                           int(stash.chunks.predicted_bytes + (chunk - stash.chunks.chunk) * stash.per_unit))
+        best = stash.best._replace(grown=dataclasses.replace(stash.best.grown, region=region))
+        return self.build(stash.tensor, best, chunks, chunk, stash.per_unit, stash.sized, stash.draws, stash.fused,
+                          stash.per_unit, stash.fused_unit, stash.backward_row, again=stash) is not None
 
     def redrawable(self, candidates, tensor, beside: policy.Beside) -> Redrawable | None:
         """Where ``Options.redraw_random`` is off and no region could split ``tensor``, whether one
@@ -427,6 +474,31 @@ def _option_key(option: analysis.RootOption) -> tuple:
     return (option.root, option.kind, tuple(option.input_axes), tuple(option.output_axes),
             None if prop is None else (prop.input_axes, prop.output_axes, prop.input_factors),
             tuple((t.ref(), a) for t, a in option.requests), tuple(option.absorbed))
+
+
+@dataclasses.dataclass(frozen=True)
+class Regrowable:
+    """A starved loop computing its gradients as it goes, as :meth:`RegionSearch.build` built it: what
+    building it again in larger chunks takes (:meth:`RegionSearch.regrow`).  ``chunks`` are its own
+    (its gradient's), ``fused`` its forward's chunk; ``outputs`` the loop's results installed,
+    ``made`` the ops its build made, ``record`` its plan's record; ``reads`` what each input of its
+    region's ops (roots and prologue too) was when it was built: ``{(op, index): tensor}``."""
+
+    tensor: object
+    best: Candidate
+    chunks: ChunkPlan
+    backward_chunk: int
+    per_unit: float
+    sized: object
+    draws: bool
+    fused: int
+    fused_unit: float | None
+    backward_row: float | None
+    outputs: tuple
+    made: frozenset
+    record: object
+    dispatch: object
+    reads: dict
 
 
 # A root's plan, as RegionSearch.best_root ranks them (the smallest ``key`` is best); ``nest``: its

@@ -66,7 +66,7 @@ from grappler_ext.splitter import rules, scaling
 from grappler_ext.splitter.outcome import Code
 
 __all__ = ["Peak", "Dispatch", "peak_of_program", "active", "fits", "dispatch", "dispatch_for", "loop_values", "record",
-           "install", "largest_size", "note", "max_pareto"]
+           "forget", "install", "largest_size", "note", "max_pareto"]
 
 # More kept steps than this: their element-wise maximum instead (an upper bound of each).
 max_pareto = 64
@@ -303,6 +303,16 @@ def record(dispatch: Dispatch | None, roots, new, region_ops) -> None:
     dispatch.new = list(new)
     state.pending.append(dispatch)
     graph_edit.on_undo(lambda: state.pending.remove(dispatch) if dispatch in state.pending else None)
+
+
+def forget(dispatch: Dispatch | None) -> None:
+    """The loop of ``dispatch`` given up (built again in other chunks, with a dispatch of its own); journaled."""
+    state = _ACTIVE.get()
+    if dispatch is None or state is None or dispatch not in state.pending:
+        return
+    at = state.pending.index(dispatch)
+    state.pending.remove(dispatch)
+    graph_edit.on_undo(lambda: state.pending.insert(at, dispatch))
 
 
 def dispatch(graph, scope: str, result) -> int:
