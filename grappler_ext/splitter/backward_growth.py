@@ -96,9 +96,9 @@ def _in_place(run, tried, after, figure: Figure, room: int):
     figure is known.  The plan built again took a Transformer's training step half its trace (the tf.data
     step at batch 8: 111 s of 258 s, nine loops and their gradients built again for the loss' loop).
 
-    ``None`` where that cannot be done (a starved loop of another kind, a region whose inputs cannot be
-    told, or one that would read what the plan left unreachable: nothing changed then), for the plan
-    built again."""
+    ``None`` where that cannot be done (a starved loop of another kind, a region whose inputs a later
+    loop replaced, a build that failed, or one that would read what the plan left unreachable: nothing
+    changed then), for the plan built again."""
     starved, graph = run.starved, run.graph
     stashes = [run.regrowable.get(name) for name in starved]
     if run.search is None or any(s is None for s in stashes):
@@ -114,9 +114,16 @@ def _in_place(run, tried, after, figure: Figure, room: int):
 
     run.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
     try:
-        grew = [run.search.regrow(stash) for stash in stashes]
+        grew = []
+        for stash in stashes:
+            grew.append(run.search.regrow(stash))
+            if grew[-1] is None:
+                break
     finally:
         run.grow_room = {}
+    if None in grew:
+        undone()                        # (not built again so: planned again instead)
+        return None
     if not any(grew):
         undone()                        # (a build that failed may have left ops)
         tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "

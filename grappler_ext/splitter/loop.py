@@ -135,19 +135,11 @@ class Region:
     relaid: dict | None = dataclasses.field(default=None, repr=False, compare=False)   # relaid_prologue's, once
 
 
-def remapped(region: Region, current: dict) -> Region:
-    """``region`` read from ``current[t.ref()]`` wherever it read ``t`` from outside (its sliced and
-    whole inputs, and their factors).  A loop built after the region's own replaced its readers of a
-    tensor the region reads (a decoder layer's output, now the result of that layer's loop): every
-    reader moved, the region's ops too, unreachable as they are since their own loop was installed;
-    the region's record of its inputs, kept by reference, did not."""
-    def to(ref):
-        return current[ref].ref() if ref in current else ref
-
-    return dataclasses.replace(
-        region, sliced_inputs={to(r): a for r, a in region.sliced_inputs.items()},
-        whole_inputs={to(r) for r in region.whole_inputs},
-        factors={k if isinstance(k, tf.Operation) else to(k): f for k, f in region.factors.items()})
+def remapped(region: Region, inputs_of: dict) -> Region:
+    """``region`` with its ops (roots and prologue too) reading ``inputs_of[op]``: the inputs they read
+    when its loop was built.  Installing the loop folded the shape readers among them (:func:`.mechanism.install`),
+    whose values the region's slices compute for themselves."""
+    return dataclasses.replace(region, inputs_of={**inputs_of, **region.inputs_of})
 
 
 def _inline_constant(t: tf.Tensor):
@@ -209,7 +201,7 @@ def external_inputs(region: Region) -> list[tf.Tensor]:
     inlined."""
     derived = _prologue_outputs(region)
     whole = (region.whole_inputs - set(region.sliced_inputs) - derived) | {
-        t.ref() for op in region.prologue for t in op.inputs if t.ref() not in derived}
+        t.ref() for op in region.prologue for t in region.inputs_of.get(op, op.inputs) if t.ref() not in derived}
     out = []
     for ref in list(region.sliced_inputs) + sorted(whole - set(region.sliced_inputs), key=lambda r: r.deref().name):
         t = ref.deref()
@@ -225,7 +217,8 @@ def run_prologue(region: Region, external: Sequence[tf.Tensor], values: Sequence
     env = {t.ref(): v for t, v in zip(external, values)}
     derived: dict = {}
     for op in region.prologue:
-        inputs = [_whole_value(t, {**env, **derived}, "the prologue's inputs") for t in op.inputs]
+        inputs = [_whole_value(t, {**env, **derived}, "the prologue's inputs")
+                  for t in region.inputs_of.get(op, op.inputs)]
         for old, new in zip(op.outputs, clone_op(op, inputs)):
             derived[old.ref()] = new
     return derived

@@ -59,7 +59,7 @@ def _root_part(option, plan: ChunkPlan, region: Region):
     """``(partial builder, combiner, partial specs, differentiable)`` for one root."""
     root = option.root
     kind = option.kind
-    root_inputs = list(root.inputs)    # as now: a later split may rewire the (dead) root
+    root_inputs = list(region.inputs_of.get(root, root.inputs))    # as now: a later split may rewire the (dead) root
     if kind == "concat":
         def concat_partial(lookup, chunk, offset, valid=None):
             # Rows past a run-time length are cut off when joined (combiners._ConcatTo): no mask.

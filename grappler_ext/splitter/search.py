@@ -101,7 +101,7 @@ class RegionSearch:
                              bytes_before=size, code=why.code, plan=self.redrawable(candidates, tensor, beside))
             return None
         options, grown, planned = best.options, best.grown, best.planned
-        chunks, backward_chunk, per_unit = planned.chunks, planned.backward_chunk, planned.per_unit
+        chunks, backward_chunk = planned.chunks, planned.backward_chunk
         if not chunks.splits:
             # The planner's count says the region fits whole, while the program's estimate does not:
             # say so (the run's warning then names it) rather than leave it silently.
@@ -111,9 +111,18 @@ class RegionSearch:
             return None
         if planned.best_effort is not None and run.within_before_best_effort(tensor, size, self.result):
             return None
-        sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
         fusable = self.backward and mechanism.fusable(run.graph, options, grown.region, chunks.length,
                                                       backward_chunk)
+        return self.finish(tensor, best, beside, fusable)
+
+    def finish(self, tensor, best: Candidate, beside: policy.Beside, fusable: bool, again: Regrowable | None = None):
+        """:meth:`split_around`'s loop for ``best``, planned: sized (by XLA's figures where they apply),
+        built and installed; the ops it removed, or ``None``.  ``again``: the loop built before in its
+        place, of which this is the grown one (``None`` too where its gradients' chunk is not larger)."""
+        run, t = self.run, self.tuning
+        options, grown, planned = best.options, best.grown, best.planned
+        chunks, backward_chunk, per_unit = planned.chunks, planned.backward_chunk, planned.per_unit
+        sized = policy.Sized(chunks, per_unit, Sizing.MODEL)
         # (a recomputation's two steps stay; a fused loop's chunk is the gradient's, grown by its own figure)
         if run.calibrator is not None and chunks.steps >= 2 and not best.remat and not fusable:
             sized = policy.calibrated(options, grown, chunks, beside, self.budget, t,
@@ -156,6 +165,8 @@ class RegionSearch:
                                            lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c,
                                                                            fused=True, asks=self.asks))
             backward_chunk = by_figure or backward_chunk
+        if again is not None and backward_chunk <= again.backward_chunk:
+            return None
         if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
@@ -167,7 +178,7 @@ class RegionSearch:
         unit = planned.fused_unit if counted else None
         row = unit if unit and by_figure is None else per_unit
         return self.build(tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, row, unit,
-                          backward_row)
+                          backward_row, again=again)
 
     def build(self, tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused=None,
               row: float | None = None, fused_unit: float | None = None,
@@ -180,9 +191,11 @@ class RegionSearch:
         sized its chunk; ``again``: the region's loop built before, which this one replaces, record
         included: :meth:`regrow`)."""
         run, graph, options, grown = self.run, self.run.graph, best.options, best.grown
-        roots, unit = [o.root for o in options], fused_unit
+        roots = [o.root for o in options]
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
         existing = set(graph.get_operations())
+        region_ops = [*roots, *grown.region.ops, *grown.region.prologue]
+        reads = {(op, i): t for op in region_ops for i, t in enumerate(op.inputs)}      # (before it is installed)
         dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
             grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, row or per_unit)
@@ -262,39 +275,44 @@ class RegionSearch:
         elif starved and fused is not None and tiled is None and not grown.region.written_into \
                 and not grown.region.inputs_of:
             # What building it again in larger chunks takes (regrow), once XLA's figure says how much room there is.
-            region_ops = [*roots, *grown.region.ops, *grown.region.prologue]
             run.regrowable[tensor.name] = Regrowable(
-                tensor, best, chunks, backward_chunk, per_unit, sized, draws, fused, unit, backward_row,
-                tuple(outputs), made, record, dispatch,
+                tensor, best, backward_chunk, tuple(outputs), made, record, dispatch, reads,
                 {(op, i): t for op in region_ops for i, t in enumerate(op.inputs)})
         return grown.included | set(grown.region.prologue)
 
-    def regrow(self, stash: Regrowable) -> bool:
+    def regrow(self, stash: Regrowable) -> bool | None:
         """The starved loop of ``stash`` (one computing its gradients as it goes) built again in its
-        place, in the chunk XLA's figures for it alone give in the room ``run.grow_room`` holds for it
-        (:func:`.policy.fused_grown`), its record replaced; every other loop of the plan as it is.
-        ``False`` where no larger chunk fits, or the region's inputs cannot be told (nothing built).
+        place, planned as a plan made again would plan it with the room ``run.grow_room`` holds for it
+        (the model's count less that room; XLA's figures for it alone, where they apply:
+        :func:`.policy.fused_grown`), its record replaced; every other loop of the plan as it is.
+        ``False`` where its gradients' chunk would not grow (nothing built); ``None`` where it cannot be
+        built again so (nothing left of the try): a loop built after it replaced one of its region's
+        inputs, or its build failed.
 
-        Its region's ops read what the loops built after it made of their inputs (a reader of a layer's
-        output, replaced by that layer's loop, reads the loop's result): the region is read from there
-        (:func:`.loop.remapped`)."""
-        run, options = self.run, stash.best.options
-        current: dict = {}
-        for (op, i), was in stash.reads.items():
-            now = op.inputs[i]
-            if now is not was and current.setdefault(was.ref(), now) is not now:
-                return False                # (two readers of one input moved apart: not told)
-        region = loop.remapped(stash.best.grown.region, current) if current else stash.best.grown.region
-        chunk = policy.fused_grown(run.grow_room[stash.tensor.name], stash.chunks.length, analysis.top_k(options),
-                                   self.tuning, lambda c: mechanism.loop_figure(run.calibrator, options, region, c,
-                                                                                fused=True, asks=self.asks))
-        if chunk is None or chunk <= stash.backward_chunk:
+        Its region is read as it was when its loop was built (:func:`.loop.remapped`): installing the
+        loop folded the shape readers its ops read."""
+        run, best = self.run, stash.best
+        if best.beside is None:
             return False
-        chunks = ChunkPlan(stash.chunks.length, chunk,
-                           int(stash.chunks.predicted_bytes + (chunk - stash.chunks.chunk) * stash.per_unit))
-        best = stash.best._replace(grown=dataclasses.replace(stash.best.grown, region=region))
-        return self.build(stash.tensor, best, chunks, chunk, stash.per_unit, stash.sized, stash.draws, stash.fused,
-                          stash.per_unit, stash.fused_unit, stash.backward_row, again=stash) is not None
+        if any(op.inputs[i] is not installed for (op, i), installed in stash.installed.items()):
+            return None
+        inputs_of: dict = {}
+        for (op, _), was in stash.reads.items():
+            inputs_of.setdefault(op, []).append(was)
+        best = best._replace(grown=dataclasses.replace(best.grown, region=loop.remapped(best.grown.region, inputs_of)))
+        beside = dataclasses.replace(best.beside, room=run.grow_room.get(stash.tensor.name, (0, 0)))
+        planned = policy.plan(best.options, best.grown, beside, self.budget, self.tuning, large_joins=run.relaxed)
+        if isinstance(planned, Why) or planned.best_effort is not None:
+            return False
+        if best.remat or not planned.chunks.splits:          # (as best_root splits it: two steps at least)
+            chunks = policy.split_anyway(planned.chunks, planned.per_unit)
+            planned = dataclasses.replace(planned, chunks=chunks,
+                                          backward_chunk=min(planned.backward_chunk, chunks.chunk),
+                                          fused_chunk=planned.fused_chunk and min(planned.fused_chunk, chunks.chunk))
+        records = len(self.result.records)
+        if self.finish(stash.tensor, best._replace(planned=planned), beside, True, again=stash) is not None:
+            return True
+        return None if any(r.code == Code.BUILD_FAILED for r in self.result.records[records:]) else False
 
     def redrawable(self, candidates, tensor, beside: policy.Beside) -> Redrawable | None:
         """Where ``Options.redraw_random`` is off and no region could split ``tensor``, whether one
@@ -363,8 +381,8 @@ class RegionSearch:
                     reasons.append(grown.stops[0])
                 continue
             # (the gradients a weight's update reads are in its region: no backward is left to plan)
-            planned = policy.plan(options, grown, beside if ignored else dataclasses.replace(beside, backward=ignored),
-                                  self.budget, t, large_joins=self.run.relaxed)
+            planning = beside if ignored else dataclasses.replace(beside, backward=ignored)
+            planned = policy.plan(options, grown, planning, self.budget, t, large_joins=self.run.relaxed)
             if isinstance(planned, Why):
                 reasons.append(planned)
                 continue
@@ -385,11 +403,11 @@ class RegionSearch:
             key = (avoided,) + policy.rank(
                 planned, options, held, self.budget, t, grown.region,
                 mechanism.computed_share(options, grown.region, planned, self.backward))
-            self.found.append(Candidate(key, options, grown, planned, remat))     # (see widest)
+            self.found.append(Candidate(key, options, grown, planned, remat, beside=planning))     # (see widest)
             if best is None or key < best.key:
                 best = self.found[-1]
             if (self.nestable is None or key < self.nestable.key) and (nest := self.nest_in(grown, planned)):
-                self.nestable = Candidate(key, options, grown, planned, remat, nest)     # (see split_around)
+                self.nestable = Candidate(key, options, grown, planned, remat, nest, planning)  # (see split_around)
         return best
 
     def outgrowing(self, tensors, done: set, after: int) -> frozenset:
@@ -479,28 +497,25 @@ def _option_key(option: analysis.RootOption) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class Regrowable:
     """A starved loop computing its gradients as it goes, as :meth:`RegionSearch.build` built it: what
-    building it again in larger chunks takes (:meth:`RegionSearch.regrow`).  ``chunks`` are its own
-    (its gradient's), ``fused`` its forward's chunk; ``outputs`` the loop's results installed,
-    ``made`` the ops its build made, ``record`` its plan's record; ``reads`` what each input of its
-    region's ops (roots and prologue too) was when it was built: ``{(op, index): tensor}``."""
+    building it again in larger chunks takes (:meth:`RegionSearch.regrow`).  ``tensor``: the large
+    tensor it split; ``best``: its plan; ``backward_chunk``: its chunk (its gradients'); ``outputs``:
+    the loop's results installed, ``made``: the ops its build made, ``record``: its plan's record,
+    ``dispatch``: its :class:`.whole_at_run.Dispatch`; ``reads``: what each input of its region's ops
+    (roots and prologue too) was when it was built, ``{(op, index): tensor}``, and ``installed``: what
+    it was once the loop was installed (its shape readers folded)."""
 
     tensor: object
     best: Candidate
-    chunks: ChunkPlan
     backward_chunk: int
-    per_unit: float
-    sized: object
-    draws: bool
-    fused: int
-    fused_unit: float | None
-    backward_row: float | None
     outputs: tuple
     made: frozenset
     record: object
     dispatch: object
     reads: dict
+    installed: dict
 
 
 # A root's plan, as RegionSearch.best_root ranks them (the smallest ``key`` is best); ``nest``: its
-# attention computed over key blocks in each slice (:mod:`.nesting`), or ``None``.
-Candidate = collections.namedtuple("Candidate", "key options grown planned remat nest", defaults=(None,))
+# attention computed over key blocks in each slice (:mod:`.nesting`), or ``None``; ``beside``: what the
+# plan was made beside (:class:`.policy.Beside`).
+Candidate = collections.namedtuple("Candidate", "key options grown planned remat nest beside", defaults=(None, None))
