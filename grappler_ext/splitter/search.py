@@ -268,10 +268,9 @@ class RegionSearch:
                                      bytes_before=analysis.materialised_bytes(grown.included, self.info),
                                      bytes_after=chunks.predicted_bytes,
                                      code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
-        if again is not None:            # (in the place of the loop it replaces)
-            records = self.result.records
-            records.pop()
-            records[next(i for i, r in enumerate(records) if r is again.record)] = record
+        at = next((i for i, r in enumerate(self.result.records) if again is not None and r is again.record), None)
+        if at is not None:               # (in the place of the loop it replaces)
+            self.result.records[at] = self.result.records.pop()
         elif starved and fused is not None and tiled is None and not grown.region.written_into \
                 and not grown.region.inputs_of:
             # What building it again in larger chunks takes (regrow), once XLA's figure says how much room there is.
