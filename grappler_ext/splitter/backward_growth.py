@@ -87,7 +87,6 @@ def grown(run, est, info, limit, mark, tried, after, measured):
     return again, after, figure.bytes
 
 
-
 def _in_place(run, tried, after, figure: Figure, room: int):
     """:func:`grown` without planning again, where every starved loop computes its gradients as it goes
     (:class:`.search.Regrowable`): each built again in its place in the room, every other loop as it is
@@ -125,7 +124,6 @@ def _in_place(run, tried, after, figure: Figure, room: int):
         undone()                        # (not built again so: planned again instead)
         return None
     if not any(grew):
-        undone()                        # (a build that failed may have left ops)
         tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
                        f"figures for them alone gave no larger chunk within the {room:,} B under the limit less "
                        "its margin", code=Code.NOT_GROWN, plan=Growth(tuple(starved.values()), room, figure.bytes))

@@ -78,7 +78,7 @@ from grappler_ext.splitter.slicing import (
     valid_rows,
 )
 
-__all__ = ["Region", "build_split", "forward_program", "fused_program", "external_inputs", "fusable", "remapped"]
+__all__ = ["Region", "build_split", "forward_program", "fused_program", "external_inputs", "fusable", "as_built"]
 
 _INLINE_CONSTANT_MAX_ELEMENTS = 1024  # constants this small are re-created in the body, not captured
 
@@ -135,10 +135,10 @@ class Region:
     relaid: dict | None = dataclasses.field(default=None, repr=False, compare=False)   # relaid_prologue's, once
 
 
-def remapped(region: Region, inputs_of: dict) -> Region:
+def as_built(region: Region, inputs_of: dict) -> Region:
     """``region`` with its ops (roots and prologue too) reading ``inputs_of[op]``: the inputs they read
-    when its loop was built.  Installing the loop folded the shape readers among them (:func:`.mechanism.install`),
-    whose values the region's slices compute for themselves."""
+    when its loop was built (installing the loop folded the shape readers among them, whose values the
+    region's slices compute for themselves: :func:`.mechanism.install`)."""
     return dataclasses.replace(region, inputs_of={**inputs_of, **region.inputs_of})
 
 

@@ -268,7 +268,7 @@ class RegionSearch:
                                      bytes_before=analysis.materialised_bytes(grown.included, self.info),
                                      bytes_after=chunks.predicted_bytes,
                                      code=Code.BEST_EFFORT if plan.best_effort is not None else Code.SPLIT, plan=plan)
-        at = next((i for i, r in enumerate(self.result.records) if again is not None and r is again.record), None)
+        at = None if again is None else next((i for i, r in enumerate(self.result.records) if r is again.record), None)
         if at is not None:               # (in the place of the loop it replaces)
             self.result.records[at] = self.result.records.pop()
         elif starved and fused is not None and tiled is None and not grown.region.written_into \
@@ -286,23 +286,23 @@ class RegionSearch:
         :func:`.policy.fused_grown`), its record replaced; every other loop of the plan as it is.
         ``False`` where its gradients' chunk would not grow (nothing built); ``None`` where it cannot be
         built again so (nothing left of the try): a loop built after it replaced one of its region's
-        inputs, or its build failed.
+        inputs, its region no longer has a plan of its own, or its build failed.
 
-        Its region is read as it was when its loop was built (:func:`.loop.remapped`): installing the
+        Its region is read as it was when its loop was built (:func:`.loop.as_built`): installing the
         loop folded the shape readers its ops read."""
         run, best = self.run, stash.best
         if best.beside is None:
-            return False
+            return None
         if any(op.inputs[i] is not installed for (op, i), installed in stash.installed.items()):
             return None
         inputs_of: dict = {}
         for (op, _), was in stash.reads.items():
             inputs_of.setdefault(op, []).append(was)
-        best = best._replace(grown=dataclasses.replace(best.grown, region=loop.remapped(best.grown.region, inputs_of)))
+        best = best._replace(grown=dataclasses.replace(best.grown, region=loop.as_built(best.grown.region, inputs_of)))
         beside = dataclasses.replace(best.beside, room=run.grow_room.get(stash.tensor.name, (0, 0)))
         planned = policy.plan(best.options, best.grown, beside, self.budget, self.tuning, large_joins=run.relaxed)
         if isinstance(planned, Why) or planned.best_effort is not None:
-            return False
+            return None                     # (another region may be planned: the plan again decides)
         if best.remat or not planned.chunks.splits:          # (as best_root splits it: two steps at least)
             chunks = policy.split_anyway(planned.chunks, planned.per_unit)
             planned = dataclasses.replace(planned, chunks=chunks,

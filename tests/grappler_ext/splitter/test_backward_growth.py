@@ -89,3 +89,15 @@ def test_a_loop_grown_over_the_limit_is_undone_to_the_plan_as_it_was(monkeypatch
     hlo = f.experimental_get_compiler_ir(x)(stage="hlo")
     assert f"f32[{split.plan.backward_chunk},64,512]" in hlo
     _equal_to_naive(f, "growth undone")
+
+
+def test_a_loop_that_cannot_be_built_again_in_place_has_the_plan_made_again(monkeypatch):
+    """Where the loop cannot be built again in its place (a later loop replaced an input of its region,
+    its build failed: ``regrow`` answers ``None``), the plan is made again with the room, as before:
+    grown all the same, exact."""
+    monkeypatch.setattr(search.RegionSearch, "regrow", lambda self, stash: None)
+    f, records, plans = _traced(XlaMeasurer(), monkeypatch)
+    (split,) = [r for r in records if r.code == Code.SPLIT]
+    (grown,) = [r for r in records if r.code == Code.GROWN]
+    assert plans == 2 and split.plan.backward_chunk > grown.plan.starved_chunks[0], [r.reason for r in records]
+    _equal_to_naive(f, "planned again")
