@@ -34,13 +34,12 @@ def grown(run, est, info, limit, mark, tried, after, measured):
     if not figure.known:
         return tried, after, measured
     room = int(wanted * run.tuning.replan_margin) - figure.bytes
-    loops = ", ".join(map(str, starved.values()))
     if room <= 0:
         # Over the limit by XLA's figure where the model put it within: the model's plan stands
         # (what the splitter could not split has been reported with the model's count).
-        tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                       f"figure for the program as split, {figure.bytes:,} B, leaves no room under the limit less "
-                       "its margin", code=Code.NOT_GROWN,
+        tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {_chunks(starved)}, and "
+                       f"XLA's figure for the program as split, {figure.bytes:,} B, leaves no room under the limit "
+                       "less its margin", code=Code.NOT_GROWN,
                    plan=Growth(tuple(starved.values()), room, figure.bytes))
         return tried, after, figure.bytes        # (over the limit, or within it by less than the margin)
     in_place = _in_place(run, tried, after, figure, room)
@@ -63,27 +62,17 @@ def grown(run, est, info, limit, mark, tried, after, measured):
     grown_figure = Figure(grown_measured) if grown_measured is not None else run.figure()
     if outcome.loop_chunks(grown) == outcome.loop_chunks(tried):
         # (the loops alone gave no larger chunk for the room, or could not be measured: the same plan)
-        grown.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                       f"figures for them alone gave no larger chunk within the {room:,} B under the limit less "
-                       "its margin", code=Code.NOT_GROWN,
-                   plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+        _no_larger(grown, starved, room, figure, grown_figure.bytes)
         return grown, grown_after, grown_figure.bytes if grown_figure.known else figure.bytes
     if grown_figure.known and grown_figure.bytes <= wanted:
-        grown.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
-                       f"for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
-                       f"margin; with that room, {grown_figure.bytes:,} B", code=Code.GROWN,
-                   plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+        _said_grown(grown, starved, room, figure, grown_figure)
         return grown, grown_after, grown_figure.bytes
     run.replayed = figure               # the first plan again (the same decisions): its figure is known
     try:
         again, after, _ = replan()
     finally:
         run.replayed = None
-    shown = (f"{grown_figure.bytes:,} B, over the limit" if grown_figure.known else
-             f"not checked with XLA: {grown_figure.failure}" if grown_figure.failure else "")
-    again.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "
-                   f"limit, the program as split was {shown}; planned as the model had it", code=Code.NOT_GROWN,
-               plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+    _said_over(again, starved, room, figure, grown_figure)
     return again, after, figure.bytes
 
 
@@ -102,7 +91,7 @@ def _in_place(run, tried, after, figure: Figure, room: int):
     stashes = [run.regrowable.get(name) for name in starved]
     if run.search is None or any(s is None for s in stashes):
         return None
-    journal, loops = graph_edit.active_journal(), ", ".join(map(str, starved.values()))
+    journal = graph_edit.active_journal()
     mark, records, sized, spent = len(journal), list(tried.records), run.program_sized, dict(run.backward_bytes)
     live, existing = graph_query.live_ops(graph), set(graph.get_operations())
 
@@ -124,9 +113,7 @@ def _in_place(run, tried, after, figure: Figure, room: int):
         undone()                        # (not built again so: planned again instead)
         return None
     if not any(grew):
-        tried.skip([], f"gradient loops not grown: the model's plan gave them chunks of {loops}, and XLA's "
-                       f"figures for them alone gave no larger chunk within the {room:,} B under the limit less "
-                       "its margin", code=Code.NOT_GROWN, plan=Growth(tuple(starved.values()), room, figure.bytes))
+        _no_larger(tried, starved, room, figure)
         return tried, after, figure.bytes
     if (graph_query.live_ops(graph) - live) - (set(graph.get_operations()) - existing):
         undone()                        # (it would read what the plan left unreachable: planned again instead)
@@ -136,15 +123,33 @@ def _in_place(run, tried, after, figure: Figure, room: int):
     grown_figure = run.figure()
     if grown_figure.known and grown_figure.bytes <= run.limit:
         run.model_after = None if bound else grown_after
-        tried.skip([], f"gradient loops grown: the model's plan gave them chunks of {loops}, and XLA's figure "
-                       f"for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
-                       f"margin; with that room, {grown_figure.bytes:,} B", code=Code.GROWN,
-                   plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+        _said_grown(tried, starved, room, figure, grown_figure)
         return tried, grown_after, grown_figure.bytes
     undone()
-    shown = (f"{grown_figure.bytes:,} B, over the limit" if grown_figure.known else
-             f"not checked with XLA: {grown_figure.failure}" if grown_figure.failure else "")
-    tried.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "
-                   f"limit, the program as split was {shown}; planned as the model had it", code=Code.NOT_GROWN,
-               plan=Growth(tuple(starved.values()), room, figure.bytes, grown_figure.bytes))
+    _said_over(tried, starved, room, figure, grown_figure)
     return tried, after, figure.bytes
+
+
+def _chunks(starved) -> str:
+    return ", ".join(map(str, starved.values()))
+
+
+def _no_larger(result, starved, room: int, figure: Figure, after: int | None = None) -> None:
+    result.skip([], f"gradient loops not grown: the model's plan gave them chunks of {_chunks(starved)}, and XLA's "
+                    f"figures for them alone gave no larger chunk within the {room:,} B under the limit less its "
+                    "margin", code=Code.NOT_GROWN, plan=Growth(tuple(starved.values()), room, figure.bytes, after))
+
+
+def _said_grown(result, starved, room: int, figure: Figure, grown: Figure) -> None:
+    result.skip([], f"gradient loops grown: the model's plan gave them chunks of {_chunks(starved)}, and XLA's "
+                    f"figure for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
+                    f"margin; with that room, {grown.bytes:,} B", code=Code.GROWN,
+                plan=Growth(tuple(starved.values()), room, figure.bytes, grown.bytes))
+
+
+def _said_over(result, starved, room: int, figure: Figure, grown: Figure) -> None:
+    shown = (f"{grown.bytes:,} B, over the limit" if grown.known else
+             f"not checked with XLA: {grown.failure}" if grown.failure else "")
+    result.skip([], f"gradient loops not grown: in the {room:,} B XLA's figure ({figure.bytes:,} B) left under the "
+                    f"limit, the program as split was {shown}; planned as the model had it", code=Code.NOT_GROWN,
+                plan=Growth(tuple(starved.values()), room, figure.bytes, grown.bytes))
