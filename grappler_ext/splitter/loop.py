@@ -139,7 +139,7 @@ def as_built(region: Region, inputs_of: dict) -> Region:
     """``region`` with its ops (roots and prologue too) reading ``inputs_of[op]``: the inputs they read
     when its loop was built (installing the loop folded the shape readers among them, whose values the
     region's slices compute for themselves: :func:`.mechanism.install`)."""
-    return dataclasses.replace(region, inputs_of={**inputs_of, **region.inputs_of})
+    return dataclasses.replace(region, inputs_of=inputs_of)
 
 
 def _inline_constant(t: tf.Tensor):

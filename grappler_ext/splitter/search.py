@@ -195,7 +195,7 @@ class RegionSearch:
         self.grown, self.root_options, self.grown_redrawn = {}, {}, {}  # (the graph changes: grown anew)
         existing = set(graph.get_operations())
         region_ops = [*roots, *grown.region.ops, *grown.region.prologue]
-        reads = {(op, i): t for op in region_ops for i, t in enumerate(op.inputs)}      # (before it is installed)
+        reads = {op: list(op.inputs) for op in region_ops}      # (before it is installed)
         dispatch = None
         if grown.region.scaled is not None:     # its chunk from the room the run's sizes leave
             grown.region.scaled.room(self.budget, chunks.predicted_bytes - chunks.chunk * per_unit, row or per_unit)
@@ -218,8 +218,8 @@ class RegionSearch:
         # a zero XLA cannot fold through their products, computed where the loop runs)
         whole_at_run.forget(again and again.dispatch)
         whole_at_run.record(dispatch, roots, outputs, list(grown.region.ops) + list(grown.region.prologue) + roots)
-        made = frozenset(op for op in graph.get_operations() if op not in existing)
-        forward_loops = mechanism.new_loops(graph, existing)
+        made = [op for op in graph.get_operations() if op not in existing]
+        forward_loops = [op for op in made if op.type in LOOP_TYPES]
         run.split_sizes |= scaling.loop_sizes(grown.region, run.growth is not None)
         try:
             # (a loop built again: the gradients that read the loop it replaces)
@@ -275,8 +275,8 @@ class RegionSearch:
                 and not grown.region.inputs_of:
             # What building it again in larger chunks takes (regrow), once XLA's figure says how much room there is.
             run.regrowable[tensor.name] = Regrowable(
-                tensor, best, backward_chunk, tuple(outputs), made, record, dispatch, reads,
-                {(op, i): t for op in region_ops for i, t in enumerate(op.inputs)})
+                tensor, best, backward_chunk, tuple(outputs), frozenset(made), record, dispatch, reads,
+                {op: list(op.inputs) for op in region_ops})
         return grown.included | set(grown.region.prologue)
 
     def regrow(self, stash: Regrowable) -> bool | None:
@@ -293,12 +293,10 @@ class RegionSearch:
         run, best = self.run, stash.best
         if best.beside is None:
             return None
-        if any(op.inputs[i] is not installed for (op, i), installed in stash.installed.items()):
+        if any(now is not then for op, installed in stash.installed.items() for now, then in zip(op.inputs, installed)):
             return None
-        inputs_of: dict = {}
-        for (op, _), was in stash.reads.items():
-            inputs_of.setdefault(op, []).append(was)
-        best = best._replace(grown=dataclasses.replace(best.grown, region=loop.as_built(best.grown.region, inputs_of)))
+        region = loop.as_built(best.grown.region, stash.reads)
+        best = best._replace(grown=dataclasses.replace(best.grown, region=region))
         beside = dataclasses.replace(best.beside, room=run.grow_room.get(stash.tensor.name, (0, 0)))
         planned = policy.plan(best.options, best.grown, beside, self.budget, self.tuning, large_joins=run.relaxed)
         if isinstance(planned, Why) or planned.best_effort is not None:
@@ -499,9 +497,9 @@ class Regrowable:
     building it again in larger chunks takes (:meth:`RegionSearch.regrow`).  ``tensor``: the large
     tensor it split; ``best``: its plan; ``backward_chunk``: its chunk (its gradients'); ``outputs``:
     the loop's results installed, ``made``: the ops its build made, ``record``: its plan's record,
-    ``dispatch``: its :class:`.whole_at_run.Dispatch`; ``reads``: what each input of its region's ops
-    (roots and prologue too) was when it was built, ``{(op, index): tensor}``, and ``installed``: what
-    it was once the loop was installed (its shape readers folded)."""
+    ``dispatch``: its :class:`.whole_at_run.Dispatch`; ``reads``: the inputs of its region's ops (roots
+    and prologue too) when it was built, ``{op: [tensor, ...]}``, and ``installed``: once the loop was
+    installed (its shape readers folded)."""
 
     tensor: object
     best: Candidate
