@@ -334,16 +334,20 @@ def _checked_at_run(opts, xla_compiled: bool) -> bool:
 
 def _watch_run_time_sizes(graph, opts, report: TraceReport) -> None:
     """A function with inputs of run-time sizes is checked at the shapes it runs at beyond those it was
-    planned at, if any (:mod:`tf_memsafe.run_check`); one the passes warned about was told already."""
-    if not (_checked_at_run(opts, report.xla_compiled) and report.pipeline and not report.pipeline.warnings):
+    planned at, if any (:mod:`tf_memsafe.run_check`); one the passes warned about was told already,
+    unless its plan was not measured whole at its nominal sizes (a growth predicted: the checks measure it)."""
+    nominal = [rec.plan for rec in report.records if isinstance(rec.plan, NominalSize)]
+    told = bool(report.pipeline and report.pipeline.warnings) and all(plan.measured for plan in nominal)
+    if not (_checked_at_run(opts, report.xla_compiled) and report.pipeline) or told:
         return
     from tf_memsafe.memory import graph_bytes  # memory imports this module (hook.suspended)
 
-    nominal = [rec.plan for rec in report.records if isinstance(rec.plan, NominalSize)]
     planned = {name: shape for plan in nominal for name, shape in plan.inputs}
-    # (a plan over the limit at its nominal sizes judges none: every shape the function runs at is checked)
+    # (a plan over the limit at its nominal sizes, or not measured whole there, judges none: every shape
+    # the function runs at is checked)
     run_check.watch(graph, planned, opts.memory_limit_bytes, report.run_checks, graph_bytes,
                     planned_within=all(plan.within for plan in nominal),
+                    planned_measured=all(plan.measured for plan in nominal),
                     no_smaller_plan=any(rec.code == Code.NO_SMALLER for rec in report.records),
                     draws=() if opts.redraw_random else tuple(redrawable_draws(report.records)))
 

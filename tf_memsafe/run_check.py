@@ -79,7 +79,7 @@ class Watch:
 
     def __init__(self, graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
                  measure: Callable[[Any, list], int], planned_within: bool = True, no_smaller_plan: bool = False,
-                 draws: tuple[str, ...] = ()):
+                 draws: tuple[str, ...] = (), planned_measured: bool = True):
         self._measure_bytes = measure
         self.draws = draws                           # random draws that stopped regions redraw_random would split
         self.no_smaller_plan = no_smaller_plan       # the splitter's plan, no smaller than as written, undone
@@ -98,7 +98,9 @@ class Watch:
         self.checks = checks
         self.warned = False
         self.planned_within = planned_within         # (a plan over the limit there judges no shape)
-        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned] if self.planned and planned_within else []
+        # (nor one whose program was not compiled whole there: its growth predicted, grappler_ext's Growth)
+        judged = self.planned and planned_within and planned_measured
+        self._judged: list[tuple[tuple[int, ...], ...]] = [self.planned] if judged else []
         self._lock = threading.Lock()
 
     def covered(self, shapes: tuple[tuple[int, ...], ...]) -> bool:
@@ -163,13 +165,14 @@ class Watch:
 
 def watch(graph, planned: dict[str, tuple[int, ...]], limit: int, checks: list[ShapeCheck],
           measure: Callable[[Any, list], int], planned_within: bool = True,
-          no_smaller_plan: bool = False, draws: tuple[str, ...] = ()) -> Watch | None:
+          no_smaller_plan: bool = False, draws: tuple[str, ...] = (), planned_measured: bool = True) -> Watch | None:
     """Have ``graph``'s calls checked (:func:`on_call`), beyond the shapes ``planned`` (by input name)
     where they name every input of run-time sizes and the plan was within the limit there
-    (``planned_within``); ``None`` where it has none.  ``no_smaller_plan``: the splitter undid its plan,
-    no smaller than the program as written; ``draws``: random draws that stopped regions which
-    ``redraw_random`` would let through (each said where a shape is over)."""
-    w = Watch(graph, planned, limit, checks, measure, planned_within, no_smaller_plan, draws)
+    (``planned_within``) by XLA's figure for the program as it runs (``planned_measured``); ``None``
+    where it has none.  ``no_smaller_plan``: the splitter undid its plan, no smaller than the program as
+    written; ``draws``: random draws that stopped regions which ``redraw_random`` would let through
+    (each said where a shape is over)."""
+    w = Watch(graph, planned, limit, checks, measure, planned_within, no_smaller_plan, draws, planned_measured)
     if not w.positions:
         return None
     setattr(graph, WATCH_ATTR, w)

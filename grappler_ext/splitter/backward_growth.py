@@ -7,7 +7,10 @@ loops, the plan is built again with it (their forward plans unchanged) and compi
 XLA's figure is within the limit, else the first plan is built again from its answers (its figure
 known).  Where every starved loop computes its gradients as it goes, each is built again in its place
 instead (:meth:`.search.RegionSearch.regrow`), and where the program grown is over the limit the growth
-is undone, not the plan: the other loops and their gradients are not built again.  A function of the
+is undone, not the plan: the other loops and their gradients are not built again.  In a function of
+run-time sizes, whose every shape is checked before it runs, a growth small against its room is not
+compiled whole again at the nominal sizes: its figure is predicted from the loops' own figures
+(``Tuning.growth_predicted``) and the program is measured where it runs.  A function of the
 driver's run (:class:`.driver._Run`), as :class:`.search.RegionSearch` is: it reads and sets the run's
 state (``starved``, ``regrowable``, ``search``, ``grow_room``, ``replayed``, ``pending``).
 """
@@ -100,7 +103,7 @@ def _in_place(run, tried, after, figure: Figure, room: int):
         tried.records[:] = records
         run.program_sized, run.backward_bytes = sized, spent
 
-    run.grow_room = {name: (room // len(starved), chunk) for name, chunk in starved.items()}
+    run.grow_room, run.grown_by = {name: (room // len(starved), chunk) for name, chunk in starved.items()}, {}
     try:
         grew = []
         for stash in stashes:
@@ -120,6 +123,11 @@ def _in_place(run, tried, after, figure: Figure, room: int):
         return None
     planned = max((r.bytes_after or 0 for r in tried.rewritten), default=0)
     grown_after, bound = analysis.needed_now(graph, planned, run.loop_bytes)
+    predicted = _predicted(run, [s.tensor.name for s, g in zip(stashes, grew) if g], figure)
+    if predicted is not None:
+        run.model_after = None if bound else grown_after
+        _said_grown(tried, starved, room, figure, predicted=predicted)
+        return tried, grown_after, predicted
     grown_figure = run.figure()
     if grown_figure.known and grown_figure.bytes <= run.limit:
         run.model_after = None if bound else grown_after
@@ -128,6 +136,22 @@ def _in_place(run, tried, after, figure: Figure, room: int):
     undone()
     _said_over(tried, starved, room, figure, grown_figure)
     return tried, after, figure.bytes
+
+
+def _predicted(run, grown: list[str], figure: Figure) -> int | None:
+    """The program with the loops of ``grown`` grown in place, by XLA's figure before (``figure``) plus
+    what XLA's figures for those loops alone at the nominal sizes grew by, where it need not be compiled
+    whole again: a function of run-time sizes whose every shape is checked before it runs
+    (``PassOptions.checked_at_run``), every grown loop measured alone (sized by its own figures, or by
+    the model's count and measured at both chunks), and ``Tuning.growth_predicted`` times their growth
+    within the limit less ``Tuning.replan_margin``; else ``None`` (compiled again)."""
+    if not run.predicts_growth() or not grown or any(n not in run.grown_by for n in grown):
+        return None
+    added = sum(run.grown_by[n] for n in grown)
+    allowed = int(run.limit * run.tuning.replan_margin)
+    if figure.bytes + run.tuning.growth_predicted * max(added, 0) > allowed:
+        return None
+    return figure.bytes + max(added, 0)
 
 
 def _chunks(starved) -> str:
@@ -140,11 +164,16 @@ def _no_larger(result, starved, room: int, figure: Figure, after: int | None = N
                     "margin", code=Code.NOT_GROWN, plan=Growth(tuple(starved.values()), room, figure.bytes, after))
 
 
-def _said_grown(result, starved, room: int, figure: Figure, grown: Figure) -> None:
+def _said_grown(result, starved, room: int, figure: Figure, grown: Figure | None = None,
+                predicted: int | None = None) -> None:
+    after = (f"{grown.bytes:,} B" if grown is not None else
+             f"about {predicted:,} B (XLA's figures for the loops alone grew by {predicted - figure.bytes:,} B; the "
+             "program is not compiled again at these sizes: it is checked at each shape it runs at)")
     result.skip([], f"gradient loops grown: the model's plan gave them chunks of {_chunks(starved)}, and XLA's "
                     f"figure for the program as split was {figure.bytes:,} B, {room:,} B under the limit less its "
-                    f"margin; with that room, {grown.bytes:,} B", code=Code.GROWN,
-                plan=Growth(tuple(starved.values()), room, figure.bytes, grown.bytes))
+                    f"margin; with that room, {after}", code=Code.GROWN,
+                plan=Growth(tuple(starved.values()), room, figure.bytes, grown.bytes if grown is not None else None,
+                            predicted))
 
 
 def _said_over(result, starved, room: int, figure: Figure, grown: Figure) -> None:

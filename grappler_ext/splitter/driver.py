@@ -32,12 +32,17 @@ from grappler_ext.splitter import (
     search,
     whole_at_run,
 )
-from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, NominalSize, Redrawable
+from grappler_ext.splitter.outcome import CANNOT_SPLIT, Code, Growth, NominalSize, Redrawable
 from grappler_ext.splitter.search_budget import SearchBudget, SearchMemo
 from grappler_ext.splitter.tuning import DEFAULT_TUNING, Tuning
 
 __all__ = ["Splitter"]
 _mb = outcome.megabytes
+
+
+def _predicted(result: PassResult) -> bool:
+    """Whether the plan's growth was predicted, the program not compiled again (``Growth.predicted_after``)."""
+    return any(isinstance(r.plan, Growth) and r.plan.predicted_after is not None for r in result.records)
 
 
 @register_pass
@@ -82,6 +87,7 @@ class _Run:
         self.calibrator = splitter.measurer if options.calibrate_chunks else None
         self.result = PassResult(self.name)
         self.grow_room: dict[str, tuple[int, int]] = {}  # large tensor -> (bytes, chunk) given to its gradient loop
+        self.grown_by: dict[str, int] = {}               # ... and what XLA's figure for the loop alone grew by
         # Per plan (reset by split_large).
         self.loop_bytes: dict[str, int] = {}             # a loop's planned body bytes, by its op's name
         self.backward_bytes: dict[int, int] = {}         # a region's gradient loop's planned body bytes, by its id
@@ -120,6 +126,12 @@ class _Run:
         figure = self.figures[key] = program_figure(self.checker, self.graph)
         self.budget.compiled(time.perf_counter() - start)
         return figure
+
+    def predicts_growth(self) -> bool:
+        """Whether a starved loop's growth may be predicted rather than the program compiled again
+        (:func:`.backward_growth.grown`): planned at nominal sizes, each shape it runs at checked, loops
+        measured alone."""
+        return self.growth is not None and self.options.checked_at_run and self.calibrator is not None
 
     def searching(self) -> bool:
         """Whether the run may still search for a better plan (:mod:`.search_budget`)."""
@@ -201,7 +213,8 @@ class _Run:
         note = result.skip([], f"dynamic shapes ({shown}): planned at {at.describe(size)} known only at run "
                                f"time, {where}; the loops take their lengths from the shapes when the function runs"
                                f"{whole_at_run.note(peak, at, threshold, self.limit, dispatched)}",
-                           code=Code.DYNAMIC_SHAPES, plan=dataclasses.replace(sized, within=not deferred))
+                           code=Code.DYNAMIC_SHAPES, plan=dataclasses.replace(sized, within=not deferred,
+                                                                              measured=not _predicted(result)))
         result.records[:] = [note] + [r for r in result.records if r is not note]
         if deferred:
             for message in said:

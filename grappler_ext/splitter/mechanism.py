@@ -346,17 +346,19 @@ def _shape_values(reader: tf.Operation, table) -> list:
     return [tf.cast(f, out.dtype) for f, out in zip(found, reader.outputs)]
 
 
-def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False, asks=None) -> int:
+def loop_figure(measurer: Measurer, options, region: Region, chunk: int, fused: bool = False, asks=None,
+                at_nominal: bool = False) -> int:
     """XLA's "Total bytes used" for the region's forward loop alone, in chunks of ``chunk``: the loop
     built as a function of the region's inputs and compiled by ``measurer`` (never run).  ``fused``:
-    the loop that computes its gradients as it goes, with them (those ``asks`` says are asked for)."""
+    the loop that computes its gradients as it goes, with them (those ``asks`` says are asked for).
+    ``at_nominal``: a figure for the nominal sizes themselves, never scaled to a run's."""
     # Dimensions known only at run time are compiled at the nominal sizes the plan is made at, read
     # as constants there (its chunk: ``chunk``).  A forward loop whose rows grow with them is measured
     # there too: the bytes a row costs at the nominal sizes, which its chunk is scaled from at the
     # run's (:mod:`.scaling`).  One computing its gradients as it goes is not: it holds a slice's
     # gradients too, beyond what its rows' growth counts.
     scaled = region.scaled
-    if fused and scaled and not scaled.steady:
+    if fused and scaled and not scaled.steady and not at_nominal:
         raise ValueError("its slices' rows grow with the run-time sizes")
     plan = ChunkPlan(region.length, chunk, 0)
     combiner, specs, _, _ = combined(options, region, plan)

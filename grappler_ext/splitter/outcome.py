@@ -393,12 +393,15 @@ class LoopPlan:
 class Growth:
     """Starved gradient loops grown (or not) into the room XLA's figure left (``Code.GROWN`` or
     ``NOT_GROWN`` records): their chunks by the model's plan, the room, and XLA's figures for the
-    program as split before and after (``None``: not measured)."""
+    program as split before and after (``None``: not measured); ``predicted_after``: the program grown,
+    not compiled again, as XLA's figure before plus what its figures for the loops alone grew by
+    (``Tuning.growth_predicted``)."""
 
     starved_chunks: tuple[int, ...]
     room_bytes: int
     figure_before: int
     figure_after: int | None = None
+    predicted_after: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,12 +413,15 @@ class NominalSize:
     run-time dimensions were planned at, by name (the program was judged there: a run at larger
     sizes is the caller's to check).  ``within``: whether the plan met the limit there; a plan over it
     is not judged at any size (the caller checks every size it runs at: ``PassOptions.checked_at_run``,
-    where the plan's warning is not given, its sizes being the splitter's, not the run's)."""
+    where the plan's warning is not given, its sizes being the splitter's, not the run's).
+    ``measured``: whether XLA's figure there is of the program as it runs; not where its growth was
+    predicted (:class:`Growth`), and then it is not judged at any size either."""
 
     size: int
     grown_to: int
     inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
     within: bool = True
+    measured: bool = True
 
     @property
     def for_io(self) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from grappler_ext.op_types import ARGUMENT_OPS, HELD_OPS, nbytes
 from grappler_ext.splitter import chunk_plan, rules
@@ -28,7 +29,7 @@ from grappler_ext.splitter.outcome import BestEffort, Code, Sizing, Why
 from grappler_ext.splitter.tuning import Tuning
 
 __all__ = ["Beside", "Planned", "Sized", "plan", "rank", "leaves", "reaches_on", "calibrated", "capped",
-           "split_anyway", "at_least", "starved", "fused_grown", "nested_plan", "saves_enough"]
+           "split_anyway", "at_least", "starved", "FusedGrowth", "fused_grown", "nested_plan", "saves_enough"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -593,8 +594,16 @@ def starved(chunks: ChunkPlan, backward_chunk: int, tuning: Tuning, fused: int |
             and backward_chunk * tuning.backward_cost_factor < chunks.chunk)
 
 
+class FusedGrowth(NamedTuple):
+    """A fused loop's grown ``chunk`` (:func:`fused_grown`) and ``added``: XLA's figure for the loop
+    alone at it less at the chunk it had, both measured."""
+
+    chunk: int
+    added: int
+
+
 def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
-                loop_figure: Callable[[int], int], tries: int = 3) -> int | None:
+                loop_figure: Callable[[int], int], tries: int = 3) -> FusedGrowth | None:
     """The chunk of a loop computing its gradients as it goes, grown into ``room`` (bytes XLA's figure
     for the program as split left under the limit, and the chunk the loop had then), by XLA's figures
     for the loop alone (``loop_figure``); two steps at least.  Its bytes a row are read from two chunks,
@@ -609,7 +618,8 @@ def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
     68.5 kB from 64 to 256), not always (a Keras convnet's loop alone at 4, 6, 8, 12 and 16 rows: 4.8,
     8.0, 8.5, 16.8 and 15.5 MB; a triplet loss' step over 4,096 embeddings at 2, 4, 47, 92 and 182
     rows: 134.6, 134.8, 204.7, 207.1 and 212.7 MB, a step between 4 and 47).  ``None`` where the
-    figures do not say (a failed compile, a figure that does not grow) or nothing larger fits."""
+    figures do not say (a failed compile, a figure that does not grow) or nothing larger fits; else the
+    chunk and what the loop alone takes at it more than at its own (:class:`FusedGrowth`)."""
     extra, chunk = room
     first = max(chunk, 2)
     second = min(2 * first, length // 2)
@@ -639,13 +649,13 @@ def fused_grown(room: tuple[int, int], length: int, k: int, tuning: Tuning,
             if grown not in figures:
                 figures[grown] = loop_figure(grown)
             if fits(grown):
-                return grown
+                return FusedGrowth(grown, figures[grown] - figures[chunk])
             per_row = (figures[grown] - figures[good]) / (grown - good)     # the line up to the one over
             if per_row <= 0:
                 break
     except Exception:  # noqa: BLE001 - the largest chunk measured within the room, or the plan, stands
         pass
-    return good if good > chunk else None
+    return FusedGrowth(good, figures[good] - figures[chunk]) if good > chunk else None
 
 
 def remat_worthwhile(chunks: ChunkPlan, held: int, budget: int, tuning: Tuning) -> bool:

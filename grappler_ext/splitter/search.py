@@ -161,12 +161,20 @@ class RegionSearch:
             backward_chunk = min(planned.fused_chunk, chunks.chunk)
         by_figure = None
         if fused and run.calibrator is not None and tensor.name in run.grow_room:    # grown by its own figure
-            by_figure = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
-                                           lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c,
-                                                                           fused=True, asks=self.asks))
-            backward_chunk = by_figure or backward_chunk
+            growth = policy.fused_grown(run.grow_room[tensor.name], chunks.length, analysis.top_k(options), t,
+                                        lambda c: mechanism.loop_figure(run.calibrator, options, grown.region, c,
+                                                                        fused=True, asks=self.asks))
+            if growth is not None:
+                by_figure, backward_chunk = growth.chunk, growth.chunk
+                run.grown_by[tensor.name] = growth.added
         if again is not None and backward_chunk <= again.backward_chunk:
             return None
+        if fused and by_figure is None and again is not None and tensor.name in run.grow_room and run.predicts_growth():
+            # Grown by the model's count (a loop over run-time sizes is not sized by its own figures):
+            # what XLA's figure for it alone grows by at the nominal sizes, for the program's prediction.
+            added = self._grown_alone(options, grown.region, run.grow_room[tensor.name][1], backward_chunk)
+            if added is not None:
+                run.grown_by[tensor.name] = added
         if (draws and backward_chunk < chunks.chunk) or (fused and backward_chunk != chunks.chunk):
             # A draw keys on its slice's offset, and a fused loop holds a slice's gradient: the gradient's chunks.
             chunks = ChunkPlan(chunks.length, backward_chunk,
@@ -278,6 +286,17 @@ class RegionSearch:
                 tensor, best, backward_chunk, tuple(outputs), frozenset(made), record, dispatch, reads,
                 {op: list(op.inputs) for op in region_ops})
         return grown.included | set(grown.region.prologue)
+
+    def _grown_alone(self, options, region, chunk: int, grown: int) -> int | None:
+        """What XLA's figure for the region's fused loop alone at the nominal sizes grows by from ``chunk``
+        to ``grown`` (two compiles); ``None`` where either cannot be measured."""
+        def figure(c: int) -> int:
+            return mechanism.loop_figure(self.run.calibrator, options, region, c, fused=True, asks=self.asks,
+                                         at_nominal=True)
+        try:
+            return figure(grown) - figure(max(chunk, 1))
+        except Exception:  # noqa: BLE001 - not predicted then: the program is compiled again
+            return None
 
     def regrow(self, stash: Regrowable) -> bool | None:
         """The starved loop of ``stash`` (one computing its gradients as it goes) built again in its

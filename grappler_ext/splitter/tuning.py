@@ -12,7 +12,8 @@ import dataclasses
 __all__ = ["Tuning", "DEFAULT_TUNING"]
 
 
-_AT_LEAST_ONE = frozenset({"backward_cost_factor", "dynamic_over", "search_budget"})   # factors, not fractions
+# factors, not fractions
+_AT_LEAST_ONE = frozenset({"backward_cost_factor", "dynamic_over", "search_budget", "growth_predicted"})
 _SECONDS = frozenset({"search_floor_s"})                                               # durations, >= 0
 _MAY_BE_ZERO = frozenset({"whole_at_run"})                             # fractions whose 0 turns a rule off
 
@@ -77,6 +78,14 @@ class Tuning:
         aims at this share of its room: the figure is nearly straight in the chunk, not exactly (a
         Transformer's attention loop alone: 67.9 kB a row from 32 to 64 rows, 68.5 kB beyond; aimed at
         the whole room, 217 rows took 0.5 % more than it, and a compile more to find a chunk that fits).
+      growth_predicted: a function of run-time sizes whose starved loops were grown so (built again in
+        place, :func:`~.backward_growth.grown`) is not compiled whole again at its nominal sizes where XLA's
+        figure before the growth plus this many times what the loops alone grew by (both measured) is
+        within the limit less ``replan_margin``: each shape it runs at is checked by XLA's figure before it
+        runs (``PassOptions.checked_at_run``), which the nominal sizes are then not taken for.  A loop's
+        buffers are live while it runs, so the program grows by at most that much where XLA schedules
+        the rest as before (the tf.data Transformer step at batch 8: 505 -> 542 MB, the loss' loop from
+        2 rows to 36); the second compile of the whole step was a quarter of its trace (53 of 203 s).
       best_effort_fraction: when even the bytes that must stay exceed the limit, a region is still
         cut until its slice is this share of them (beyond that, smaller slices only cost steps).
       root_depth: how many ops downstream of a large tensor roots are looked for ...
@@ -154,6 +163,7 @@ class Tuning:
     backward_sizing_steps: int = 64
     fused_starved_steps: int = 32
     growth_aim: float = 0.95
+    growth_predicted: float = 2.0
     best_effort_fraction: float = 0.1
     root_depth: int = 8
     root_depth_wide: int = 32

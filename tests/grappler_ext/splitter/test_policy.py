@@ -297,7 +297,8 @@ class TestFusedGrown:
         the bytes a row are read from 2 and 4, and the room of 41 MB takes two rows more, checked
         against the loop at its own chunk."""
         asked = []
-        assert policy.fused_grown((41_315_235, 1), 93, 1, DEFAULT_TUNING, self.asking(self.CNN, asked)) == 3
+        grown = policy.fused_grown((41_315_235, 1), 93, 1, DEFAULT_TUNING, self.asking(self.CNN, asked))
+        assert grown.chunk == 3 and grown.added == self.CNN[3] - self.CNN[1]
         assert asked == [1, 2, 4, 3]
 
     def test_a_chunk_over_the_room_gives_the_line_to_the_largest_within_it(self):
@@ -305,7 +306,7 @@ class TestFusedGrown:
         alone, over it; the line from 8 (3.7 MB more, within the room) to 10 gives no row more: 8."""
         asked = []
         grown = policy.fused_grown((9_086_343, 4), 128, 1, DEFAULT_TUNING, self.asking(self.CONVNET, asked))
-        assert grown == 8 and asked == [4, 8, 10]
+        assert grown.chunk == 8 and asked == [4, 8, 10]
 
     def test_a_step_in_the_figure_is_closed_in_on_along_the_lines_through_it(self):
         """The triplet loss: 2 and 4 rows are 0.2 MB apart, so 26.7 MB of room make 173 rows, past the
@@ -315,13 +316,14 @@ class TestFusedGrown:
         asked = []
         grown = policy.fused_grown((26_737_548, 2), 4096, 1, DEFAULT_TUNING,
                                    lambda c: asked.append(c) or self.triplet(c))
-        assert grown == 14 and asked == [2, 4, 173, 45, 14]
+        assert grown.chunk == 14 and asked == [2, 4, 173, 45, 14]
 
     def test_a_straight_figure_is_grown_at_once(self):
         """1 MB a row: 95 % of 0.7 of the 10 MB of room make 6 rows more than 4, at the first try."""
         asked = []
-        assert policy.fused_grown((10**7, 4), 1000, 1, DEFAULT_TUNING,
-                                  self.asking({c: 10**7 + 10**6 * c for c in range(1, 20)}, asked)) == 4 + 6
+        grown = policy.fused_grown((10**7, 4), 1000, 1, DEFAULT_TUNING,
+                                   self.asking({c: 10**7 + 10**6 * c for c in range(1, 20)}, asked))
+        assert grown == (4 + 6, 6 * 10**6)      # (what the loop alone grew by: 1 MB a row)
         assert asked == [4, 8, 10]
 
     def test_the_first_try_aims_below_the_whole_room(self):
@@ -335,7 +337,7 @@ class TestFusedGrown:
             asked = []
             grown = policy.fused_grown(room, 1024, 1, Tuning(growth_aim=aim),
                                        self.asking({c: figure(c) for c in range(1, 513)}, asked))
-            assert asked == chunks and grown == chunks[-1], (aim, asked, grown)
+            assert asked == chunks and grown.chunk == chunks[-1], (aim, asked, grown)
 
     def test_no_room_to_grow_or_no_figure_keeps_the_plan(self):
         assert policy.fused_grown((10**7, 2), 5, 1, DEFAULT_TUNING, lambda c: 10**6 * c) is None   # 2 of 5 rows
