@@ -248,7 +248,7 @@ def compiled_bytes(fn: tf.types.experimental.PolymorphicFunction, *specs: tf.Ten
         _require_initialized_variables(concrete.captured_inputs, f"`{concrete.name}`")
         definition = concrete.graph.as_graph_def()
         if keyed_draws.draws_from_xla_generator(definition):    # measured as a copy that does not
-            return graph_bytes(concrete.graph, [spec.shape for spec in specs])
+            return graph_bytes(concrete.graph, [spec.shape for spec in specs], sizing_only=sizing_only)
         return _remembered(fn, concrete, definition, specs, sizing_only=sizing_only)
 
 
@@ -275,7 +275,7 @@ def live_definition(graph) -> graph_pb2.GraphDef:
     return definition
 
 
-def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
+def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None, sizing_only: bool = False) -> int:
     """XLA's "Total bytes used" for a function's graph as it stands now (a ``FuncGraph`` being traced),
     or, given ``shapes_at`` (one shape per argument, in order), for the program XLA compiles when the
     function runs with arguments of those shapes.
@@ -290,11 +290,12 @@ def graph_bytes(graph, shapes_at: Sequence[Sequence[int]] | None = None) -> int:
     XLA's scheduler interleaves independent branches).  Raises ``MeasurementError``, without asking
     XLA, when the graph has no outputs, an input without a static shape, or captures a variable not
     initialized yet (one created in this very trace, such as a Keras optimizer's slots at its first
-    step: it is initialized only after the trace).
+    step: it is initialized only after the trace).  ``sizing_only``: see :func:`compiled_bytes` (a loop
+    alone with draws, measured as such a copy).
     """
     fn, specs = _program_copy(graph, shapes_at)
     with tf.init_scope():
-        return compiled_bytes(fn, *specs)
+        return compiled_bytes(fn, *specs, sizing_only=sizing_only)
 
 
 def graph_bytes_later(graph) -> Callable[[], int]:

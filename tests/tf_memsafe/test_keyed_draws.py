@@ -97,6 +97,20 @@ def test_a_program_without_stateful_draws_is_given_back_as_it_is():
     assert keyed_draws.keyed(definition) is definition
 
 
+def test_a_loop_alone_with_draws_is_measured_as_any_loop_alone(monkeypatch):
+    """A program with stateful draws measured to size a loop (``sizing_only``) is compiled as its keyed
+    copy the way any loop alone is (without XLA:CPU's fusion emitters, about half the time), not as a
+    whole program: the loops of a step with dropout are sized like those without."""
+    asked = []
+    measuring = memory._measuring
+    monkeypatch.setattr(memory, "_measuring", lambda sizing_only=False: asked.append(sizing_only) or measuring(
+        sizing_only))
+    fn = tf.function(lambda x: x * tf.random.uniform(SHAPE), jit_compile=True)
+    memory._FIGURES.clear()
+    assert memory.compiled_bytes(fn, tf.TensorSpec(SHAPE), sizing_only=True) > 0
+    assert asked == [True]
+
+
 # Run in a process of its own (XLA's generator is the process's): "plain" draws and trains as written;
 # "measured" measures a program with draws four ways first, then trains with tf_memsafe enabled;
 # "compiled", the control, compiles that program as it is first.
